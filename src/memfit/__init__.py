@@ -1,0 +1,17 @@
+"""memfit: estimate, plan and guard the memory of transformer fine-tuning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def estimate(model: str, **kwargs: Any) -> Any:
+    """Predict the peak memory of a training or eval step; see :func:`memfit.estimate.estimate`."""
+    from memfit.estimate import estimate as _estimate
+
+    return _estimate(model, **kwargs)
+
+
+__all__ = ["__version__", "estimate"]

@@ -1,0 +1,5 @@
+"""``python -m memfit``."""
+
+from memfit.cli import main
+
+main()

@@ -1,0 +1,425 @@
+"""``memfit.estimate``: the peak memory of one steady-state training (or eval) step."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memfit.errors import UsageError
+from memfit.estimate import device as dev
+from memfit.estimate import workload
+from memfit.estimate.fit import FittedSegment, fit_trace, grid_shapes
+from memfit.estimate.trace import ALLOC, CAT, CATEGORIES, FREE, FREE_PREV, FREE_RES, MARK, PHASES, Segment, StepTrace, trace_steps
+from memfit.estimate.workload import StepSpec
+from memfit.units import parse_size
+
+BREAKDOWN_KEYS = (*CATEGORIES, "allocator_overhead", "runtime_overhead")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The predicted peak of one step, and what is alive at that moment.
+
+    ``breakdown`` sums to ``total_bytes``. On CUDA ``total_bytes`` is what ``max_memory_reserved``
+    plus the CUDA context would show; on the CPU, the process's peak memory for tensors.
+    """
+
+    total_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    budget_bytes: int | None
+    fits: bool | None
+    model: str
+    spec: StepSpec
+    batch_size: int
+    seq_len: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def biggest_part(self) -> str:
+        return max(self.breakdown, key=lambda k: self.breakdown[k])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` contract (plus a ``details`` object)."""
+        return {
+            "total_bytes": self.total_bytes,
+            "breakdown": dict(self.breakdown),
+            "peak_phase": self.peak_phase,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "details": dict(self.details),
+        }
+
+
+def validate(
+    *,
+    task: str,
+    batch_size: Any,
+    seq_len: Any,
+    precision: str,
+    optimizer: str,
+    attn_implementation: str,
+    mode: str,
+    device: str,
+    num_labels: Any,
+    loss: str | None,
+) -> tuple[StepSpec, list[str]]:
+    """Check every knob at once; return the spec and the list of problems (empty when fine)."""
+    problems: list[str] = []
+
+    def choice(flag: str, value: Any, allowed: tuple[str, ...]) -> None:
+        if value not in allowed:
+            problems.append(f"{flag}: unknown value {value!r}; choose one of {', '.join(allowed)}")
+
+    choice("--task", task, workload.TASKS)
+    choice("--precision", precision, workload.PRECISIONS)
+    choice("--optimizer", optimizer, workload.OPTIMIZERS)
+    choice("--attn-implementation", attn_implementation, workload.ATTN_IMPLEMENTATIONS)
+    choice("--mode", mode, workload.MODES)
+    choice("--device", device, workload.DEVICES)
+    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--num-labels", num_labels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
+    resolved_loss = "cross-entropy"
+    if task in workload.TASKS:
+        resolved_loss = workload.DEFAULT_LOSS[task] if loss is None else workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
+        if resolved_loss not in workload.LOSSES[task]:
+            problems.append(
+                f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(workload.LOSSES[task])}"
+            )
+    spec = StepSpec(
+        task=task,
+        precision=precision,
+        optimizer=optimizer,
+        gradient_checkpointing=False,
+        attn_implementation=attn_implementation,
+        mode=mode,
+        device=device,
+        num_labels=num_labels if isinstance(num_labels, int) else 2,
+        loss=resolved_loss,
+    )
+    return spec, problems
+
+
+def estimate(
+    model: str,
+    *,
+    task: str,
+    batch_size: int,
+    seq_len: int,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    mode: str = "train",
+    device: str = "cuda",
+    gpu_memory: int | str | None = None,
+    num_labels: int = 2,
+    loss: str | None = None,
+) -> Estimate:
+    """Predict the peak memory of one steady-state step (optimizer state already exists).
+
+    Traces the real transformers model code on fake tensors the first time a model and set of
+    knobs is seen (seconds), then answers other batch sizes and sequence lengths in milliseconds.
+    """
+    from memfit.models import resolve_model
+
+    spec, problems = validate(
+        task=task,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=optimizer,
+        attn_implementation=attn_implementation,
+        mode=mode,
+        device=device,
+        num_labels=num_labels,
+        loss=loss,
+    )
+    budget = None
+    if gpu_memory is not None:
+        try:
+            budget = parse_size(gpu_memory, name="--gpu-memory")
+        except UsageError as exc:
+            problems.append(str(exc))
+    model_spec = None
+    try:
+        model_spec = resolve_model(model)
+    except UsageError as exc:
+        problems.append(str(exc))
+    if model_spec is not None and isinstance(seq_len, int) and seq_len > model_spec.max_positions:
+        problems.append(
+            f"--seq-len: {seq_len} is beyond the {model_spec.max_positions} positions {model_spec.name} can use; "
+            f"use --seq-len {model_spec.max_positions} or less"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+    assert model_spec is not None
+    spec = StepSpec(**{**spec.__dict__, "gradient_checkpointing": bool(gradient_checkpointing)})
+
+    started = time.perf_counter()
+    traced = _traced(model_spec, spec)
+    peak = traced.replay(batch_size, seq_len)
+    total = peak.total_bytes
+    details: dict[str, Any] = {
+        "num_parameters": traced.trace.num_parameters,
+        "allocated_peak_bytes": peak.allocated_peak_bytes,
+        "reserved_peak_bytes": peak.reserved_peak_bytes,
+        "context_bytes": peak.context_bytes,
+        "device_profile": traced.profile.name if spec.device == "cuda" else "cpu",
+        "method": traced.method,
+        "trace_seconds": round(traced.trace_seconds, 3),
+        "estimate_seconds": round(time.perf_counter() - started, 4),
+    }
+    return Estimate(
+        total_bytes=total,
+        breakdown=peak.breakdown,
+        peak_phase=peak.phase,
+        budget_bytes=budget,
+        fits=None if budget is None else total <= budget,
+        model=model_spec.name,
+        spec=spec,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        details=details,
+    )
+
+
+# --- tracing, cached per model and knobs -------------------------------------------------------------
+@dataclass
+class _Peak:
+    total_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int | None
+    context_bytes: int
+
+
+@dataclass
+class _Traced:
+    """A model and knobs, traced once; replays any (batch size, sequence length)."""
+
+    config: Any
+    spec: StepSpec
+    trace: StepTrace
+    fitted: FittedSegment | None
+    profile: dev.CudaProfile
+    trace_seconds: float
+    method: str = "fitted"
+    _exact: dict[tuple[int, int], _Traced] = field(default_factory=dict)
+
+    def replay(self, batch_size: int, seq_len: int) -> _Peak:
+        if self.fitted is None:
+            return self._exact_trace(batch_size, seq_len).replay(batch_size, seq_len)
+        fb_sizes = self.fitted.sizes(batch_size, seq_len).tolist()
+        return _replay(self.trace, self.fitted.template, fb_sizes, self.spec, self.profile)
+
+    def _exact_trace(self, batch_size: int, seq_len: int) -> _Traced:
+        # the fit could not be trusted: trace this very shape (seconds, cached per shape)
+        key = (batch_size, seq_len)
+        if key not in self._exact:
+            started = time.perf_counter()
+            trace = _run_trace(self.config, self.spec, [key, key])
+            exact = _Traced(self.config, self.spec, trace, None, self.profile, time.perf_counter() - started, "exact-trace")
+            exact.fitted = _identity_fit(trace)
+            self._exact[key] = exact
+        return self._exact[key]
+
+
+def _identity_fit(trace: StepTrace) -> FittedSegment:
+    """A 'fit' that returns the traced sizes of the steady step whatever the shape asked."""
+    template = trace.steps[1][1]
+    n = len(template.sizes)
+    coefficients = np.zeros((n, 1, 4))
+    coefficients[:, 0, 0] = template.sizes
+    return FittedSegment(template, coefficients, np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64))
+
+
+_CACHE: dict[tuple[str, StepSpec], _Traced] = {}
+_LOCK = threading.Lock()
+
+
+def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
+    key = (model_spec.cache_key(), spec)
+    with _LOCK:
+        if key not in _CACHE:
+            started = time.perf_counter()
+            check, grid = grid_shapes(model_spec.max_positions)
+            trace = _run_trace(model_spec.config, spec, [check, *grid])
+            fitted = fit_trace(trace)
+            _CACHE[key] = _Traced(
+                model_spec.config,
+                spec,
+                trace,
+                fitted,
+                dev.cuda_profile(),
+                time.perf_counter() - started,
+                "fitted" if fitted is not None else "exact-trace",
+            )
+        return _CACHE[key]
+
+
+def _run_trace(config: Any, spec: StepSpec, shapes: list[tuple[int, int]]) -> StepTrace:
+    autocast, step_modes = _device_modes(spec)
+    return trace_steps(config, spec, shapes, autocast=autocast, step_modes=step_modes)
+
+
+def _device_modes(
+    spec: StepSpec,
+) -> tuple[Callable[[], contextlib.AbstractContextManager[Any]] | None, Callable[[], contextlib.AbstractContextManager[Any]] | None]:
+    """On CPU the fake CPU trace is the device; for CUDA, emulate its autocast and SDPA kernels."""
+    if spec.device == "cpu":
+        return None, None
+    from memfit.estimate import cuda_emulation
+
+    autocast = None
+    if spec.precision != "fp32":
+        dtype = workload.PRECISION_DTYPES[spec.precision]
+        autocast = lambda: cuda_emulation.CudaAutocast(dtype)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+    return autocast, lambda: cuda_emulation.CudaSdpa()
+
+
+# --- replay -------------------------------------------------------------------------------------------
+_PHASE_NAMES = {PHASES.index("setup"): "forward"} | {i: name for i, name in enumerate(PHASES) if name != "setup"}
+
+
+def _replay(trace: StepTrace, fb: Segment, fb_sizes: list[int], spec: StepSpec, profile: dev.CudaProfile) -> _Peak:
+    optimizer_segments = (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
+    if spec.device == "cpu":
+        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec)
+    return _replay_cuda(trace, fb, fb_sizes, optimizer_segments, spec, profile)
+
+
+def _replay_cpu(trace: StepTrace, fb: Segment, fb_sizes: list[int], opt: Segment | None, spec: StepSpec) -> _Peak:
+    sizes = trace.resident_sizes
+    cats = trace.resident_categories
+    resident_ids = trace.steady if spec.mode == "train" else trace.initial
+    raw = [0] * len(CATEGORIES)
+    rounded = 0
+    for g in resident_ids:
+        raw[cats[g]] += sizes[g]
+        rounded += dev.cpu_allocation_bytes(sizes[g])
+    best = rounded
+    best_raw = list(raw)
+    best_phase = "forward"
+    phase = "forward"
+    fb_cats = fb.categories
+    segments: list[tuple[Segment, list[int]]] = [(fb, fb_sizes)]
+    if opt is not None:
+        segments.append((opt, opt.sizes))
+    for seg, seg_sizes in segments:
+        seg_cats = seg.categories
+        for kind, ref in seg.events:
+            if kind == ALLOC:
+                size = seg_sizes[ref]
+                raw[seg_cats[ref]] += size
+                rounded += dev.cpu_allocation_bytes(size)
+                if rounded > best:
+                    best, best_raw, best_phase = rounded, list(raw), phase
+                continue
+            if kind == MARK:
+                phase = _PHASE_NAMES[ref]
+                continue
+            if kind == FREE:
+                size, cat = seg_sizes[ref], seg_cats[ref]
+            elif kind == FREE_PREV:
+                size, cat = fb_sizes[ref], fb_cats[ref]
+            else:
+                size, cat = sizes[ref], cats[ref]
+            raw[cat] -= size
+            rounded -= dev.cpu_allocation_bytes(size)
+    breakdown = {name: best_raw[i] for i, name in enumerate(CATEGORIES)}
+    breakdown["allocator_overhead"] = best - sum(best_raw)
+    breakdown["runtime_overhead"] = 0
+    return _Peak(best, breakdown, best_phase, best, None, 0)
+
+
+def _replay_cuda(
+    trace: StepTrace,
+    fb: Segment,
+    fb_sizes: list[int],
+    optimizer_segments: tuple[Segment | None, Segment | None],
+    spec: StepSpec,
+    profile: dev.CudaProfile,
+) -> _Peak:
+    allocator = dev.CachingAllocator()
+    sizes = trace.resident_sizes
+    cats = trace.resident_categories
+    handles: dict[int, int] = {}  # global id -> block address
+    raw = [0] * len(CATEGORIES)
+    # the model is moved to the GPU parameter by parameter
+    for g in trace.initial:
+        handles[g] = allocator.malloc(sizes[g])
+        raw[cats[g]] += sizes[g]
+    # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process
+    workspace = profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes
+    allocator.malloc(profile.cublas_workspace_bytes)
+    if profile.cublaslt_workspace_bytes:
+        allocator.malloc(profile.cublaslt_workspace_bytes)
+
+    first_opt, steady_opt = optimizer_segments
+    state = {"phase": "forward", "best": -1, "raw": list(raw), "at": "forward"}
+
+    def run(seg: Segment, seg_sizes: list[int], prev: list[int] | None, globals_: list[int] | None, track: bool) -> list[int]:
+        local = [0] * len(seg_sizes)
+        seg_cats = seg.categories
+        for kind, ref in seg.events:
+            if kind == ALLOC:
+                size = seg_sizes[ref]
+                local[ref] = allocator.malloc(size)
+                raw[seg_cats[ref]] += size
+                if globals_ is not None:
+                    handles[globals_[ref]] = local[ref]
+                if track and allocator.allocated > state["best"]:
+                    state["best"], state["raw"], state["at"] = allocator.allocated, list(raw), state["phase"]
+            elif kind == MARK:
+                state["phase"] = _PHASE_NAMES[ref]
+            elif kind == FREE:
+                allocator.free(local[ref])
+                raw[seg_cats[ref]] -= seg_sizes[ref]
+            elif kind == FREE_PREV:
+                assert prev is not None
+                allocator.free(prev[ref])
+                raw[fb.categories[ref]] -= fb_sizes[ref]
+            else:
+                allocator.free(handles[ref])
+                raw[cats[ref]] -= sizes[ref]
+        return local
+
+    if spec.mode == "train":
+        assert first_opt is not None and steady_opt is not None
+        # step 1 creates the optimizer state; step 2 is the steady state we report
+        fb_handles = run(fb, fb_sizes, None, None, False)
+        run(first_opt, first_opt.sizes, fb_handles, trace.first_optimizer_globals, False)
+        allocator.max_allocated, allocator.max_reserved = allocator.allocated, allocator.reserved
+        fb_handles = run(fb, fb_sizes, None, None, True)
+        run(steady_opt, steady_opt.sizes, fb_handles, None, True)
+    else:
+        run(fb, fb_sizes, None, None, False)  # a first batch warms the cache
+        allocator.max_allocated, allocator.max_reserved = allocator.allocated, allocator.reserved
+        run(fb, fb_sizes, None, None, True)
+    best_raw: list[int] = state["raw"]  # type: ignore[assignment]
+    breakdown = {name: best_raw[i] for i, name in enumerate(CATEGORIES)}
+    reserved = allocator.max_reserved
+    breakdown["allocator_overhead"] = reserved - sum(best_raw) - workspace
+    breakdown["runtime_overhead"] = profile.context_bytes + workspace
+    total = reserved + profile.context_bytes
+    return _Peak(total, breakdown, str(state["at"]), allocator.max_allocated, reserved, profile.context_bytes)
+
+
+def clear_cache() -> None:
+    """Forget every trace (tests use it to time a first trace)."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+__all__ = ["BREAKDOWN_KEYS", "CAT", "Estimate", "clear_cache", "estimate", "validate"]

@@ -1,0 +1,345 @@
+"""Trace real training steps on fake tensors: every storage allocation and free, by category.
+
+The model is built on the meta device and moved to fake CPU tensors, so the real transformers code
+runs with no memory and no GPU. A :class:`StorageRecorder` (a ``TorchDispatchMode``) sees every op's
+outputs; a storage it has not seen before is an allocation, and a weakref finalizer on the storage
+records its free. In-place ops (``param.add_``, optimizer updates, ``.grad`` accumulation) return a
+storage that already exists, so they are not counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.estimate import workload
+from memfit.estimate.workload import StepSpec
+
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "transient")
+CAT = {name: i for i, name in enumerate(CATEGORIES)}
+PHASES = ("setup", "forward", "backward", "optimizer_step")
+PHASE = {name: i for i, name in enumerate(PHASES)}
+
+ALLOC, FREE, MARK, FREE_PREV, FREE_RES = 0, 1, 2, 3, 4
+
+
+@dataclass
+class Segment:
+    """The events of one part of the trace (a step's forward+backward, or its optimizer step).
+
+    ``events`` holds ``(kind, ref)`` pairs: ``(ALLOC, j)`` allocates the segment's j-th local
+    allocation; ``(FREE, j)`` frees local allocation j when ``j >= 0``, or the resident allocation
+    ``-j - 1`` (a parameter, a gradient of the previous step, ...) when ``j < 0``; ``(MARK, p)``
+    starts phase ``p``.
+    """
+
+    events: list[tuple[int, int]] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    categories: list[int] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    # the dims of the tensor that created each storage, and its element size: sizes of a new batch
+    # size and sequence length are predicted dim by dim (see memfit.estimate.fit)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    itemsizes: list[int] = field(default_factory=list)
+
+    def signature(self) -> tuple[Any, ...]:
+        """What must agree between traces of different shapes for their sizes to be fitted."""
+        ranks = tuple(len(shape) for shape in self.shapes)
+        return (tuple(self.events), tuple(self.categories), tuple(self.ops), ranks, tuple(self.itemsizes))
+
+
+class StorageRecorder(TorchDispatchMode):
+    """Records storage allocations and frees, tagged by phase; categories are settled afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}  # storage address -> global allocation id
+        self.sizes: list[int] = []
+        self.categories: list[int] = []
+        self.ops: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.itemsizes: list[int] = []
+        self.phases: list[int] = []
+        self.events: list[tuple[int, int]] = []
+        self.phase = PHASE["setup"]
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def set_phase(self, name: str) -> None:
+        self.phase = PHASE[name]
+        self.events.append((MARK, self.phase))
+
+    def register(self, tensor: torch.Tensor, category: str) -> None:
+        """Count a storage that existed before recording (parameters, buffers)."""
+        self._track(tensor, CAT[category], "resident")
+
+    def alloc_id(self, tensor: torch.Tensor) -> int | None:
+        return self._live.get(tensor.untyped_storage()._cdata)
+
+    def _track(self, tensor: torch.Tensor, category: int, op: str) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        alloc = len(self.sizes)
+        self._live[key] = alloc
+        nbytes = int(storage.nbytes())
+        itemsize = tensor.element_size()
+        if tensor.numel() * itemsize == nbytes:
+            self.shapes.append(tuple(int(d) for d in tensor.shape))
+            self.itemsizes.append(itemsize)
+        else:  # a view onto part of a new storage: fit the storage as one flat dim
+            self.shapes.append((nbytes,))
+            self.itemsizes.append(1)
+        self.sizes.append(nbytes)
+        self.categories.append(category)
+        self.ops.append(op)
+        self.phases.append(self.phase)
+        self.events.append((ALLOC, alloc))
+        # storages keep their Python object alive as long as the C++ storage lives, so this
+        # fires exactly when the memory would be returned to the allocator
+        weakref.finalize(storage, self._on_free, key, alloc)
+
+    def _on_free(self, key: int, alloc: int) -> None:
+        if self._live.get(key) == alloc:
+            del self._live[key]
+            self.events.append((FREE, alloc))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                # activations by default; settled to gradient / optimizer state / transient later
+                self._track(leaf, CAT["transient"], func.__name__)
+        return out
+
+
+def build_fake_model(config: Any, spec: StepSpec, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """Build on the meta device (no init cost), then give it fake CPU storage."""
+    with torch.device("meta"):
+        model = workload.build_model(config, spec)
+    with fake_mode:
+        model = model.to_empty(device="cpu")
+    # to_empty replaces parameters one by one, which unties shared weights (GPT-2's lm_head)
+    for module in model.modules():
+        if hasattr(module, "tie_weights") and isinstance(module, torch.nn.Module) and hasattr(module, "config"):
+            module.tie_weights()
+    return model
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    # frees must happen at the same point in every trace, so cyclic garbage is collected only at
+    # step boundaries, never at the whim of the collector's thresholds
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class StepTrace:
+    """A traced run: the resident allocations and one entry per traced step.
+
+    Each step is ``(shape, forward_backward, optimizer)``: the optimizer segment's
+    ``(FREE_PREV, j)`` events free allocation j of the same step's forward+backward segment (the
+    gradients at ``zero_grad``, the input batch), so a steady optimizer segment can follow the
+    forward+backward segment of any other shape with the same structure.
+    """
+
+    resident_sizes: list[int]
+    resident_categories: list[int]
+    steps: list[tuple[tuple[int, int], Segment, Segment | None]]
+    num_parameters: int
+    parameter_bytes: int
+    # global ids: parameters and buffers (allocated before any step), what is alive between steps
+    # (those plus optimizer state), and the global id of each allocation of the first optimizer step
+    initial: list[int] = field(default_factory=list)
+    steady: list[int] = field(default_factory=list)
+    first_optimizer_globals: list[int] = field(default_factory=list)
+
+
+AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def trace_steps(
+    config: Any,
+    spec: StepSpec,
+    shapes: list[tuple[int, int]],
+    *,
+    optimizer_steps: int = 2,
+    autocast: AutocastFactory | None = None,
+    step_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> StepTrace:
+    """Trace one step per shape on fake tensors.
+
+    The first ``optimizer_steps`` steps run the optimizer (the first creates its state, the second
+    is the steady state); later steps run forward and backward only and drop the gradients: that
+    is all of a step that depends on the shape. ``step_modes`` wraps each step in extra modes (the
+    CUDA emulation); ``autocast`` wraps the forward.
+    """
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = build_fake_model(config, spec, fake_mode)
+    recorder = StorageRecorder()
+    params = list(model.parameters())
+    with fake_mode:
+        for p in params:
+            recorder.register(p, "parameters")
+        for b in model.buffers():
+            recorder.register(b, "buffers")
+    parameter_bytes = sum(s for s, c in zip(recorder.sizes, recorder.categories, strict=True) if c == CAT["parameters"])
+    train = spec.mode == "train"
+    optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
+    scaler = workload.make_scaler(spec, spec.device, fake=True)
+    if autocast is None:
+        autocast = workload.default_autocast(spec, "cpu")
+    extra = step_modes or contextlib.nullcontext
+
+    steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
+    resident = len(recorder.sizes)
+    initial = list(range(resident))
+    steady: list[int] = []
+    first_optimizer_globals: list[int] = []
+    with _no_gc():
+        for index, (batch_size, seq_len) in enumerate(shapes):
+            start = len(recorder.events)
+            grad_ids: set[int] = set()
+            with fake_mode, recorder, extra():
+                recorder.set_phase("setup")
+                batch = workload.make_batch(config, spec, batch_size, seq_len)
+                if not train:
+                    workload.eval_step(model, batch, spec, autocast=autocast, recorder=recorder)
+                else:
+                    assert optimizer is not None
+                    with workload.phase(recorder, "forward"), autocast():
+                        loss = workload.compute_loss(model, batch, spec)
+                    with workload.phase(recorder, "backward"):
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                        # the graph is gone once backward is done, as in a training loop
+                        del loss
+                    grad_ids = {
+                        i for p in params if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None
+                    }
+                    recorder.set_phase("optimizer_step")
+                    if index < optimizer_steps:
+                        if scaler is not None:
+                            scaler.step(optimizer)
+                        else:
+                            optimizer.step()
+                    # flush the gradients as soon as we can, no need for this memory anymore
+                    optimizer.zero_grad(set_to_none=True)
+                # the batch lives until the loop fetches the next one
+                del batch
+            state_ids = _optimizer_state_ids(optimizer, recorder)
+            mid = _phase_start(recorder.events, start, PHASE["optimizer_step"])
+            fb, local = _segment(recorder, start, mid, resident, grad_ids, state_ids, train=train)
+            opt = None
+            if train and index < optimizer_steps:
+                opt, opt_local = _segment(
+                    recorder, mid, len(recorder.events), resident, grad_ids, state_ids, train=train, previous=local
+                )
+                if index == 0:
+                    first_optimizer_globals = sorted(opt_local, key=opt_local.__getitem__)
+            if index == 0:
+                steady = sorted(recorder._live.values())
+            steps.append(((batch_size, seq_len), fb, opt))
+            # allocations of this step that survive it (optimizer state) are resident from now on
+            resident = len(recorder.sizes)
+    return StepTrace(
+        resident_sizes=list(recorder.sizes),
+        resident_categories=list(recorder.categories),
+        steps=steps,
+        num_parameters=sum(p.numel() for p in params),
+        parameter_bytes=parameter_bytes,
+        initial=initial,
+        steady=steady,
+        first_optimizer_globals=first_optimizer_globals,
+    )
+
+
+def _optimizer_state_ids(optimizer: torch.optim.Optimizer | None, recorder: StorageRecorder) -> set[int]:
+    if optimizer is None:
+        return set()
+    ids = set()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and (i := recorder.alloc_id(value)) is not None:
+                ids.add(i)
+    return ids
+
+
+def _phase_start(events: list[tuple[int, int]], start: int, phase: int) -> int:
+    for i in range(start, len(events)):
+        if events[i] == (MARK, phase):
+            return i
+    return len(events)
+
+
+def _segment(
+    recorder: StorageRecorder,
+    start: int,
+    stop: int,
+    resident: int,
+    grad_ids: set[int],
+    state_ids: set[int],
+    *,
+    train: bool,
+    previous: dict[int, int] | None = None,
+) -> tuple[Segment, dict[int, int]]:
+    """Cut events [start, stop) into a segment with local allocation numbers and final categories."""
+    seg = Segment()
+    local: dict[int, int] = {}
+    alive: set[int] = set()
+    forward_alive: set[int] | None = None
+    phase = PHASE["setup"]
+    for kind, ref in recorder.events[start:stop]:
+        if kind == MARK:
+            if phase == PHASE["forward"] and ref != PHASE["forward"] and forward_alive is None:
+                forward_alive = set(alive)
+            phase = ref
+            seg.events.append((MARK, ref))
+        elif kind == ALLOC:
+            local[ref] = len(seg.sizes)
+            alive.add(ref)
+            seg.sizes.append(recorder.sizes[ref])
+            seg.ops.append(recorder.ops[ref])
+            seg.shapes.append(recorder.shapes[ref])
+            seg.itemsizes.append(recorder.itemsizes[ref])
+            seg.categories.append(-1)
+            seg.events.append((ALLOC, local[ref]))
+        elif ref in local:
+            alive.discard(ref)
+            seg.events.append((FREE, local[ref]))
+        elif previous is not None and ref in previous:
+            seg.events.append((FREE_PREV, previous[ref]))
+        elif ref < resident:
+            seg.events.append((FREE_RES, ref))
+        else:  # pragma: no cover - an allocation from another step: a bug in the trace cut
+            raise RuntimeError(f"trace: free of allocation {ref} from outside its step")
+    if forward_alive is None:
+        forward_alive = set(alive)
+    for g, j in local.items():
+        if g in grad_ids:
+            cat = CAT["gradients"]
+        elif g in state_ids:
+            cat = CAT["optimizer_state"]
+        elif not train or g in forward_alive:
+            # alive when the forward ended: saved for backward, the loss, logits, the input batch
+            # (in eval, everything the forward holds is an activation)
+            cat = CAT["activations"]
+        else:
+            cat = CAT["transient"]
+        seg.categories[j] = cat
+        recorder.categories[g] = cat
+    return seg, local

@@ -1,0 +1,352 @@
+"""One training (or eval) step, written once and run three ways.
+
+The estimator runs these functions on fake tensors (no memory, no GPU), the CPU truth benchmark runs
+them for real in a child process, and ``bench/gpu_validate.py`` runs them on a GPU. Sharing the code
+means the estimate and the measurement always describe the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+TASKS = ("classification", "causal-lm", "sentence-embedding")
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+MODES = ("train", "eval")
+DEVICES = ("cuda", "cpu")
+LOSSES = {
+    "classification": ("cross-entropy",),
+    "causal-lm": ("cross-entropy",),
+    # sentence-transformers' names: MultipleNegativesRankingLoss, CoSENTLoss, CosineSimilarityLoss,
+    # SoftmaxLoss. mnrl is the default for (anchor, positive) pairs.
+    "sentence-embedding": ("mnrl", "cosent", "cosine", "softmax"),
+}
+DEFAULT_LOSS = {"classification": "cross-entropy", "causal-lm": "cross-entropy", "sentence-embedding": "mnrl"}
+LOSS_ALIASES = {
+    "multiplenegativesrankingloss": "mnrl",
+    "multiple-negatives-ranking": "mnrl",
+    "cosentloss": "cosent",
+    "cosinesimilarityloss": "cosine",
+    "cosine-similarity": "cosine",
+    "softmaxloss": "softmax",
+    "ce": "cross-entropy",
+    "cross_entropy": "cross-entropy",
+}
+# sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
+MNRL_SCALE = 20.0
+COSENT_SCALE = 20.0
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The knobs of one step that change what is allocated (shape-independent)."""
+
+    task: str
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    mode: str = "train"
+    device: str = "cuda"
+    num_labels: int = 2
+    loss: str = "cross-entropy"
+
+
+class BiEncoder(nn.Module):
+    """A sentence-transformers bi-encoder: transformer, then mean pooling over real tokens.
+
+    Mirrors ``sentence_transformers.models.Transformer`` + ``Pooling(pooling_mode="mean")``.
+    """
+
+    def __init__(self, transformer: nn.Module, num_labels: int, with_classifier: bool) -> None:
+        super().__init__()
+        self.transformer = transformer
+        hidden = int(transformer.config.hidden_size)
+        # SoftmaxLoss trains a classifier on (u, v, |u - v|), as sentence-transformers does
+        self.classifier = nn.Linear(3 * hidden, num_labels) if with_classifier else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        token_embeddings = self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0]
+        mask = attention_mask.unsqueeze(-1).to(token_embeddings.dtype)
+        summed = (token_embeddings * mask).sum(dim=1)
+        counts = mask.sum(dim=1).clamp(min=1e-9)
+        return summed / counts
+
+
+def build_model(config: Any, spec: StepSpec) -> nn.Module:
+    """Instantiate the task model from an architecture config (random weights, no download)."""
+    import transformers
+
+    config = _task_config(config, spec)
+    if spec.task == "classification":
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+    elif spec.task == "causal-lm":
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    elif spec.task == "sentence-embedding":
+        # sentence-transformers loads the plain AutoModel (BERT's pooler included, unused by mean pooling)
+        transformer = transformers.AutoModel.from_config(config)
+        model = BiEncoder(transformer, spec.num_labels, with_classifier=spec.loss == "softmax")
+    else:  # pragma: no cover - validated earlier
+        raise ValueError(f"unknown task {spec.task!r}")
+    if spec.gradient_checkpointing:
+        target = model.transformer if isinstance(model, BiEncoder) else model
+        # non-reentrant checkpointing: what PyTorch recommends and what memfit train uses
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train(spec.mode == "train")
+    return model
+
+
+def _task_config(config: Any, spec: StepSpec) -> Any:
+    config = config.__class__.from_dict(config.to_dict())
+    config._attn_implementation = spec.attn_implementation
+    if spec.task == "classification":
+        config.num_labels = spec.num_labels
+        if getattr(config, "pad_token_id", None) is None:
+            # GPT-2 style classifiers need a pad id to find the last token
+            config.pad_token_id = getattr(config, "eos_token_id", 0) or 0
+    if spec.task == "causal-lm" or getattr(config, "is_decoder", False):
+        config.use_cache = False
+    return config
+
+
+def make_batch(config: Any, spec: StepSpec, batch_size: int, seq_len: int, device: Any = "cpu") -> dict[str, Any]:
+    """A batch of random tokens with no padding (the worst case for a given length)."""
+    vocab = int(config.vocab_size)
+
+    def tokens() -> torch.Tensor:
+        return torch.randint(0, vocab, (batch_size, seq_len), device=device)
+
+    def mask() -> torch.Tensor:
+        return torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
+
+    if spec.task == "classification":
+        return {
+            "input_ids": tokens(),
+            "attention_mask": mask(),
+            "labels": torch.randint(0, spec.num_labels, (batch_size,), device=device),
+        }
+    if spec.task == "causal-lm":
+        ids = tokens()
+        return {"input_ids": ids, "attention_mask": mask(), "labels": ids}
+    batch: dict[str, Any] = {
+        "anchor": {"input_ids": tokens(), "attention_mask": mask()},
+        "positive": {"input_ids": tokens(), "attention_mask": mask()},
+    }
+    if spec.loss in ("cosent", "cosine"):
+        batch["labels"] = torch.rand(batch_size, device=device)
+    elif spec.loss == "softmax":
+        batch["labels"] = torch.randint(0, spec.num_labels, (batch_size,), device=device)
+    return batch
+
+
+class Int8AdamStateModel(torch.optim.Optimizer):
+    """The memory of bitsandbytes' AdamW8bit, for tracing where bitsandbytes cannot run.
+
+    bitsandbytes keeps two uint8 states per parameter with at least 4096 elements, plus one fp32
+    absmax per 256-element block for each; smaller tensors keep fp32 states. Its update is one
+    fused kernel that works in place, so the step itself allocates nothing.
+    """
+
+    BLOCK_SIZE = 256
+    MIN_8BIT_SIZE = 4096
+
+    def __init__(self, params: Any, lr: float = 1e-5) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    if p.numel() >= self.MIN_8BIT_SIZE:
+                        blocks = -(-p.numel() // self.BLOCK_SIZE)
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                # the fused 8-bit kernel updates states and weights in place
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def make_optimizer(name: str, model: nn.Module, device_type: str, *, lr: float = 1e-5) -> torch.optim.Optimizer:
+    """The optimizer as the target device runs it by default.
+
+    torch picks the foreach (multi-tensor) implementation on CUDA and the for-loop one on the CPU;
+    their temporaries differ (foreach AdamW holds a square-root copy of every second moment at once).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    foreach = device_type == "cuda"
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, foreach=foreach)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # the settings HF Trainer uses for optim="adafactor"
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    if name == "adamw-8bit":
+        if device_type == "cuda" and torch.cuda.is_available() and _fake_mode_inactive():
+            try:
+                import bitsandbytes as bnb  # type: ignore[import-not-found]
+
+                return bnb.optim.AdamW8bit(params, lr=lr)
+            except ImportError:
+                pass
+        return Int8AdamStateModel(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def _fake_mode_inactive() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> torch.Tensor:
+    """Forward with loss, as the recipes compute it."""
+    if spec.task in ("classification", "causal-lm"):
+        return model(**batch).loss
+    anchor = model(**batch["anchor"])
+    positive = model(**batch["positive"])
+    return sentence_loss(model, anchor, positive, batch.get("labels"), spec.loss)
+
+
+def sentence_loss(
+    model: nn.Module, anchor: torch.Tensor, positive: torch.Tensor, labels: torch.Tensor | None, loss: str
+) -> torch.Tensor:
+    """The sentence-transformers losses on (anchor, positive) embeddings."""
+    if loss == "mnrl":
+        # every other positive in the batch is a negative for this anchor
+        scores = _cos_sim(anchor, positive) * MNRL_SCALE
+        targets = torch.arange(scores.size(0), device=scores.device)
+        return nn.functional.cross_entropy(scores, targets)
+    assert labels is not None
+    if loss == "cosine":
+        cos = nn.functional.cosine_similarity(anchor, positive)
+        return nn.functional.mse_loss(cos, labels.to(cos.dtype))
+    if loss == "cosent":
+        cos = nn.functional.cosine_similarity(anchor, positive) * COSENT_SCALE
+        diff = cos[:, None] - cos[None, :]
+        diff = diff - (labels[:, None] < labels[None, :]).to(diff.dtype) * 1e12
+        diff = torch.cat((torch.zeros(1, device=diff.device, dtype=diff.dtype), diff.view(-1)), dim=0)
+        return torch.logsumexp(diff, dim=0)
+    if loss == "softmax":
+        features = torch.cat([anchor, positive, (anchor - positive).abs()], dim=1)
+        classifier = model.classifier  # type: ignore[union-attr]
+        return nn.functional.cross_entropy(classifier(features), labels)
+    raise ValueError(f"unknown loss {loss!r}")
+
+
+def _cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a_norm = nn.functional.normalize(a, p=2, dim=1)
+    b_norm = nn.functional.normalize(b, p=2, dim=1)
+    return a_norm @ b_norm.transpose(0, 1)
+
+
+def default_autocast(spec: StepSpec, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """Real autocast for the device the step runs on (fp32: no autocast)."""
+    if spec.precision == "fp32":
+        return contextlib.nullcontext
+    dtype = PRECISION_DTYPES[spec.precision]
+    return lambda: torch.autocast(device_type=device_type, dtype=dtype)
+
+
+class LossScaler:
+    """What GradScaler does to memory, without its data-dependent ``found_inf.item()``.
+
+    A scale and an inverse-scale scalar, one found-inf flag, the scaled loss; unscaling multiplies
+    the gradients in place. Used on fake tensors, where GradScaler's host sync cannot run.
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.scale_value = torch.full((), 65536.0, dtype=torch.float32, device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value.to(loss.dtype)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        inv_scale = self.scale_value.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.scale_value.device)
+        with torch.no_grad():
+            # unscale in place, as torch._amp_foreach_non_finite_check_and_unscale_ does
+            torch._foreach_mul_(grads, inv_scale)
+        del found_inf, inv_scale
+        optimizer.step()
+
+    def update(self) -> None:
+        pass
+
+
+def make_scaler(spec: StepSpec, device_type: str, *, fake: bool) -> Any:
+    """A loss scaler for fp16 (None otherwise): GradScaler for real runs, LossScaler on fake tensors."""
+    if spec.precision != "fp16" or spec.mode != "train":
+        return None
+    if fake:
+        return LossScaler("cpu")
+    return torch.amp.GradScaler(device_type)
+
+
+@contextlib.contextmanager
+def phase(recorder: Any, name: str) -> Iterator[None]:
+    if recorder is not None:
+        recorder.set_phase(name)
+    yield
+
+
+def training_step(
+    model: nn.Module,
+    batch: dict[str, Any],
+    spec: StepSpec,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scaler: Any = None,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    recorder: Any = None,
+) -> None:
+    """Forward with loss, backward, optimizer step, zero_grad: one steady-state training step."""
+    with phase(recorder, "forward"), autocast():
+        loss = compute_loss(model, batch, spec)
+    with phase(recorder, "backward"):
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        # free the graph's last reference before the optimizer runs, as a training loop does
+        del loss
+    with phase(recorder, "optimizer_step"):
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        # flush the gradients as soon as we can, no need for this memory anymore
+        optimizer.zero_grad(set_to_none=True)
+
+
+def eval_step(
+    model: nn.Module,
+    batch: dict[str, Any],
+    spec: StepSpec,
+    *,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    recorder: Any = None,
+) -> None:
+    """Forward with loss under no_grad: what an evaluation loop runs per batch."""
+    with phase(recorder, "forward"), torch.no_grad(), autocast():
+        loss = compute_loss(model, batch, spec)
+        del loss

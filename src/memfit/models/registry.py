@@ -1,0 +1,199 @@
+"""Resolve a model name or path to its architecture config, offline and without weights.
+
+memfit only needs the architecture (a ``transformers`` config) to trace a training step on fake
+tensors, so it ships the published ``config.json`` of common models in ``configs/`` and never
+touches the network: no download, no ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from memfit.errors import UsageError
+
+# canonical name -> other names it answers to (current Hub ids, short names). The config file is
+# configs/<canonical name with "/" written as "--">.json, the way the Hugging Face cache names repos.
+_REGISTRY: dict[str, tuple[str, ...]] = {
+    "bert-base-uncased": ("google-bert/bert-base-uncased",),
+    "bert-base-cased": ("google-bert/bert-base-cased",),
+    "bert-large-uncased": ("google-bert/bert-large-uncased",),
+    "bert-base-multilingual-cased": ("google-bert/bert-base-multilingual-cased",),
+    "distilbert-base-uncased": ("distilbert/distilbert-base-uncased",),
+    "roberta-base": ("FacebookAI/roberta-base",),
+    "roberta-large": ("FacebookAI/roberta-large",),
+    "distilroberta-base": ("distilbert/distilroberta-base",),
+    "gpt2": ("openai-community/gpt2",),
+    "gpt2-medium": ("openai-community/gpt2-medium",),
+    "gpt2-large": ("openai-community/gpt2-large",),
+    "gpt2-xl": ("openai-community/gpt2-xl",),
+    "distilgpt2": ("distilbert/distilgpt2",),
+    "sentence-transformers/all-MiniLM-L6-v2": ("all-MiniLM-L6-v2",),
+    "sentence-transformers/all-mpnet-base-v2": ("all-mpnet-base-v2",),
+    "sentence-transformers/paraphrase-MiniLM-L6-v2": ("paraphrase-MiniLM-L6-v2",),
+}
+# every accepted name, lower-cased -> canonical name
+_LOOKUP: dict[str, str] = {
+    alias.lower(): name for name, aliases in _REGISTRY.items() for alias in (name, *aliases)
+}
+# architectures whose position ids start after the padding index (fairseq convention)
+_PAD_OFFSET_TYPES = frozenset(
+    {"roberta", "xlm-roberta", "camembert", "mpnet", "longformer", "data2vec-text", "xmod"}
+)
+# for configs that name no position limit (relative or rotary positions only)
+NO_POSITION_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved model: its architecture config and where it came from."""
+
+    name: str
+    config: PretrainedConfig = field(hash=False)  # configs are mutable, hence unhashable
+    source: str  # "registry" | "local-folder" | "config-file" | "hf-cache"
+    path: str | None
+    max_positions: int
+
+    def cache_key(self) -> str:
+        """Stable hash of the config's JSON, for caching traces of this architecture."""
+        return hashlib.sha256(self.config.to_json_string().encode()).hexdigest()[:16]
+
+
+def registry_names() -> list[str]:
+    """Canonical names of the models in memfit's offline registry (aliases left out)."""
+    return list(_REGISTRY)
+
+
+def usable_positions(config: PretrainedConfig) -> int:
+    """The longest sequence (in tokens) that the model's position embeddings can take."""
+    if config.model_type in _PAD_OFFSET_TYPES:
+        # RoBERTa-style models number positions from pad_token_id + 1 (rows 0..pad_token_id of the
+        # table are never used), so roberta-base's 514 rows hold 512 usable positions.
+        return int(config.max_position_embeddings) - int(config.pad_token_id or 0) - 1
+    # GPT-2 calls it n_positions (n_ctx is a legacy duplicate); BERT, DistilBERT and most others
+    # max_position_embeddings, one row per position.
+    for attr in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return NO_POSITION_LIMIT
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """Resolve ``model`` to a :class:`ModelSpec` without any network access.
+
+    Tried in order: a local folder holding ``config.json`` (a Hugging Face model folder or a
+    sentence-transformers folder), a path to a ``config.json`` file, a name or alias in memfit's
+    registry (case-insensitive), a Hub id already in the local Hugging Face cache.
+    Raises :class:`UsageError` when none of them matches or the config is not valid.
+    """
+    local = Path(model).expanduser()
+    folder_config = _folder_config(local) if local.is_dir() else None
+    if folder_config is not None:
+        return _spec(str(local), _load_config(folder_config), "local-folder", folder_config.parent)
+    if local.is_file():
+        return _spec(str(local), _load_config(local), "config-file", local.parent)
+    canonical = _LOOKUP.get(model.strip().lower())
+    if canonical is not None:
+        return _spec(canonical, _registry_config(canonical), "registry", None)
+    cached = _hf_cache_config(model.strip())
+    if cached is not None:
+        return _spec(model.strip(), _load_config(cached), "hf-cache", cached.parent)
+    raise UsageError(_unknown_message(model, local.is_dir()))
+
+
+def _spec(name: str, config: PretrainedConfig, source: str, path: Path | None) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        config=config,
+        source=source,
+        path=None if path is None else str(path),
+        max_positions=usable_positions(config),
+    )
+
+
+def _folder_config(folder: Path) -> Path | None:
+    """config.json of a model folder; for sentence-transformers, of its Transformer module."""
+    if (folder / "config.json").is_file():
+        return folder / "config.json"
+    # sentence-transformers: modules.json names the Transformer module's folder (0_Transformer)
+    try:
+        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
+        subdirs = [m["path"] for m in modules if str(m.get("type", "")).endswith("Transformer")]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        subdirs = []
+    candidates = [folder / d / "config.json" for d in subdirs]
+    candidates += sorted(folder.glob("*_Transformer/config.json"))
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _registry_config(name: str) -> PretrainedConfig:
+    filename = name.replace("/", "--") + ".json"
+    text = (resources.files("memfit.models") / "configs" / filename).read_text(encoding="utf-8")
+    return _build_config(json.loads(text), f"registry entry {name}")
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    """config.json of ``repo_id`` in the local Hugging Face cache; never downloads."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an invalid repo id, no huggingface_hub, an unreadable cache
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _load_config(path: Path) -> PretrainedConfig:
+    """Read and validate a config.json; errors name the file (and line, for bad JSON)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read model config {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"model config {path} is not valid JSON: line {exc.lineno}: {exc.msg}"
+        ) from None
+    return _build_config(data, f"model config {path}")
+
+
+def _build_config(data: Any, where: str) -> PretrainedConfig:
+    if not isinstance(data, dict):
+        raise UsageError(f"{where} is not a JSON object")
+    model_type = data.get("model_type")
+    if not model_type:
+        raise UsageError(f"{where} has no model_type, so memfit cannot tell the architecture")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(
+            f"{where} has model_type {model_type!r}, which transformers does not know "
+            "(memfit never runs remote code; a newer transformers may know it)"
+        )
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    except Exception as exc:
+        raise UsageError(f"{where} does not build a {model_type} config: {exc}") from None
+
+
+def _unknown_message(model: str, is_dir: bool) -> str:
+    folder = "a folder without config.json" if is_dir else "not a folder with config.json"
+    close = difflib.get_close_matches(model.strip().lower(), list(_LOOKUP), n=5, cutoff=0.6)
+    suggestions = list(dict.fromkeys(_LOOKUP[c] for c in close))[:3]
+    hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
+    return (
+        f"unknown model {model!r}: {folder}, not a config.json file, not in memfit's offline "
+        f"registry, not in the local Hugging Face cache.{hint} "
+        "Known models: `memfit models` lists them."
+    )
+
+
+__all__ = ["NO_POSITION_LIMIT", "ModelSpec", "registry_names", "resolve_model", "usable_positions"]

@@ -1,0 +1,1 @@
+"""Memory reports: console tables now; HTML and plots later."""

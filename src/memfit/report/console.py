@@ -1,0 +1,60 @@
+"""Rich console output for estimates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from memfit.estimate import Estimate
+
+_LABELS = {
+    "parameters": "parameters",
+    "buffers": "buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "transient": "transient buffers",
+    "allocator_overhead": "allocator overhead (cache, rounding)",
+    "runtime_overhead": "runtime (CUDA context, cuBLAS)",
+}
+
+
+def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
+    """The breakdown as a table, the verdict against the budget and the biggest part named."""
+    console = console or Console(highlight=False)
+    spec = estimate.spec
+    knobs = (
+        f"{spec.task}, batch {estimate.batch_size} × {estimate.seq_len} tokens, {spec.precision}, {spec.optimizer}"
+        + (", gradient checkpointing" if spec.gradient_checkpointing else "")
+        + f", {spec.attn_implementation} attention, {spec.mode} on {spec.device}"
+    )
+    table = Table(title=f"{estimate.model}: {knobs}", title_justify="left")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    for key, value in estimate.breakdown.items():
+        share = value / estimate.total_bytes * 100 if estimate.total_bytes else 0.0
+        table.add_row(_LABELS.get(key, key), format_bytes(value), f"{share:.1f} %")
+    table.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(estimate.total_bytes)}[/bold]", "100.0 %")
+    console.print(table)
+    console.print(
+        f"Peak in the {estimate.peak_phase.replace('_', ' ')} phase; the biggest part is "
+        f"{_LABELS.get(estimate.biggest_part, estimate.biggest_part)} "
+        f"({format_bytes(estimate.breakdown[estimate.biggest_part])})."
+    )
+    if estimate.budget_bytes is not None:
+        if estimate.fits:
+            console.print(
+                f"[green]Fits[/green] in {format_bytes(estimate.budget_bytes)}: "
+                f"{format_bytes(estimate.budget_bytes - estimate.total_bytes)} to spare."
+            )
+        else:
+            console.print(
+                f"[red]Does not fit[/red] in {format_bytes(estimate.budget_bytes)}: "
+                f"{format_bytes(estimate.total_bytes - estimate.budget_bytes)} short."
+            )
