@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -173,7 +174,7 @@ def estimate(
         "reserved_peak_bytes": peak.reserved_peak_bytes,
         "context_bytes": peak.context_bytes,
         "device_profile": traced.profile.name if spec.device == "cuda" else "cpu",
-        "method": traced.method,
+        "method": traced._variant(batch_size, seq_len).method,
         "trace_seconds": round(traced.trace_seconds, 3),
         "estimate_seconds": round(time.perf_counter() - started, 4),
     }
@@ -213,13 +214,48 @@ class _Traced:
     profile: dev.CudaProfile
     trace_seconds: float
     method: str = "fitted"
+    max_positions: int = 512
+    variant_key: tuple[bool, bool] | None = None
     _exact: dict[tuple[int, int], _Traced] = field(default_factory=dict)
+    _variants: dict[tuple[bool, bool], _Traced] = field(default_factory=dict)
 
     def replay(self, batch_size: int, seq_len: int) -> _Peak:
+        variant = self._variant(batch_size, seq_len)
+        if variant is not self:
+            return variant.replay(batch_size, seq_len)
         if self.fitted is None:
             return self._exact_trace(batch_size, seq_len).replay(batch_size, seq_len)
         fb_sizes = self.fitted.sizes(batch_size, seq_len).tolist()
         return _replay(self.trace, self.fitted.template, fb_sizes, self.spec, self.profile)
+
+    def _variant(self, batch_size: int, seq_len: int) -> _Traced:
+        """The fit that covers this shape: a batch of one, and misaligned lengths, have their own.
+
+        A single sample takes other code paths (views instead of copies); a sequence length that
+        is no multiple of 8 makes CUDA's memory-efficient attention copy its mask.
+        """
+        if self.variant_key is not None:
+            return self
+        key = (batch_size == 1, seq_len % 8 == 0)
+        if key == (False, True):
+            return self
+        if key not in self._variants:
+            started = time.perf_counter()
+            check, grid, second = grid_shapes(self.max_positions, batch_size=1 if key[0] else None, aligned=key[1])
+            trace = _run_trace(self.config, self.spec, [check, *grid, second])
+            fitted = fit_trace(trace)
+            self._variants[key] = _Traced(
+                self.config,
+                self.spec,
+                trace,
+                fitted,
+                self.profile,
+                time.perf_counter() - started,
+                "fitted" if fitted is not None else "exact-trace",
+                self.max_positions,
+                variant_key=key,
+            )
+        return self._variants[key]
 
     def _exact_trace(self, batch_size: int, seq_len: int) -> _Traced:
         # the fit could not be trusted: trace this very shape (seconds, cached per shape)
@@ -227,7 +263,17 @@ class _Traced:
         if key not in self._exact:
             started = time.perf_counter()
             trace = _run_trace(self.config, self.spec, [key, key])
-            exact = _Traced(self.config, self.spec, trace, None, self.profile, time.perf_counter() - started, "exact-trace")
+            exact = _Traced(
+                self.config,
+                self.spec,
+                trace,
+                None,
+                self.profile,
+                time.perf_counter() - started,
+                "exact-trace",
+                self.max_positions,
+                variant_key=(batch_size == 1, seq_len % 8 == 0),
+            )
             exact.fitted = _identity_fit(trace)
             self._exact[key] = exact
         return self._exact[key]
@@ -235,7 +281,9 @@ class _Traced:
 
 def _identity_fit(trace: StepTrace) -> FittedSegment:
     """A 'fit' that returns the traced sizes of the steady step whatever the shape asked."""
-    template = trace.steps[1][1]
+    template = dataclasses.replace(trace.steps[1][1])
+    # the traced sizes are final: no formula to evaluate
+    template.formulas = [None] * len(template.sizes)
     n = len(template.sizes)
     coefficients = np.zeros((n, 1, 4))
     coefficients[:, 0, 0] = template.sizes
@@ -251,8 +299,8 @@ def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
     with _LOCK:
         if key not in _CACHE:
             started = time.perf_counter()
-            check, grid = grid_shapes(model_spec.max_positions)
-            trace = _run_trace(model_spec.config, spec, [check, *grid])
+            check, grid, second = grid_shapes(model_spec.max_positions)
+            trace = _run_trace(model_spec.config, spec, [check, *grid, second])
             fitted = fit_trace(trace)
             _CACHE[key] = _Traced(
                 model_spec.config,
@@ -262,6 +310,7 @@ def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
                 dev.cuda_profile(),
                 time.perf_counter() - started,
                 "fitted" if fitted is not None else "exact-trace",
+                model_spec.max_positions,
             )
         return _CACHE[key]
 

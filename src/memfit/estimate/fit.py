@@ -11,6 +11,7 @@ if any allocation disagrees, the estimator traces the requested shape itself ins
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,28 +23,72 @@ class FittedSegment:
     """A forward+backward segment whose sizes can be predicted for any (B, S)."""
 
     template: Segment
-    coefficients: np.ndarray  # (n_allocs, max_rank, 4): dim = c + a·B + b·S + d·B·S
+    coefficients: np.ndarray  # (n_allocs, max_rank, k): dim = coefficients · basis(B, S)
     ranks: np.ndarray  # (n_allocs,)
     itemsizes: np.ndarray  # (n_allocs,)
+    per_sequence_only: bool = False  # fitted at one batch size: basis (1, S) instead of (1, B, S, B·S)
+    # dims a kernel pads (CUDA's flash attention rounds the sequence up to 128, memory-efficient
+    # attention its logsumexp to 32): round up to this multiple; 1 elsewhere
+    multiples: np.ndarray | None = None
+
+    def dims(self, batch_size: int, seq_len: int) -> np.ndarray:
+        basis = _basis(batch_size, seq_len, self.per_sequence_only)
+        dims = np.rint(self.coefficients @ basis).astype(np.int64)
+        if self.multiples is not None:
+            dims = -(-dims // self.multiples) * self.multiples
+        return dims
 
     def sizes(self, batch_size: int, seq_len: int) -> np.ndarray:
-        basis = np.array([1.0, batch_size, seq_len, batch_size * seq_len])
-        dims = np.rint(self.coefficients @ basis).astype(np.int64)
+        dims = self.dims(batch_size, seq_len)
         # dims beyond a tensor's rank are padded with 1 (coefficients c=1), so the product is exact
         numel = np.prod(np.maximum(dims, 0), axis=1)
-        return numel * self.itemsizes
+        sizes = numel * self.itemsizes
+        for i, formula in self._formulas:
+            sizes[i] = formula(*(int(d) for d in dims[i, : self.ranks[i]]))
+        return sizes
+
+    @property
+    def _formulas(self) -> list[tuple[int, Any]]:
+        return [(i, f) for i, f in enumerate(self.template.formulas) if f is not None]
 
 
-def grid_shapes(max_positions: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
-    """The off-grid check shape and the 2×2 grid, inside the model's usable positions."""
-    top = max(8, min(max_positions, 64))
-    s0, s1 = top // 4, top // 2
-    check = (3, (s0 + s1) // 2 + 1)
-    return check, [(2, s0), (4, s0), (2, s1), (4, s1)]
+def _basis(batch_size: int, seq_len: int, per_sequence_only: bool) -> np.ndarray:
+    if per_sequence_only:
+        return np.array([1.0, seq_len])
+    return np.array([1.0, batch_size, seq_len, batch_size * seq_len])
+
+
+def grid_shapes(
+    max_positions: int, batch_size: int | None = None, aligned: bool = True
+) -> tuple[tuple[int, int], list[tuple[int, int]], tuple[int, int]]:
+    """The check shape, the grid, and a second check shape, inside the model's usable positions.
+
+    With ``batch_size`` (used for 1: PyTorch takes other paths for a single sample, e.g. ``expand``
+    then ``reshape`` is a view instead of a copy) the grid varies the sequence length only.
+    ``aligned`` picks sequence lengths that are multiples of 8 or not: CUDA's memory-efficient
+    attention copies a misaligned mask, so the two kinds of length trace different allocations.
+    """
+    if max_positions >= 272:
+        # multiples of 128 on the grid: kernels that pad the sequence are exact there, and the
+        # off-grid checks reveal the padding
+        shift = 0 if aligned else 4
+        s0, s1, sv, s2 = 128 + shift, 256 + shift, 200 + shift, 104 - shift
+    else:
+        top = max(16, min(max_positions, 64))
+        shift = 0 if aligned else 3
+        s0, s1 = top // 4 + shift, top // 2 + shift
+        sv, s2 = (s0 + s1) // 2 + 1, max(3, top // 3 + 1)
+    if batch_size is not None:
+        return (batch_size, sv), [(batch_size, s0), (batch_size, s1)], (batch_size, s2)
+    return (3, sv), [(2, s0), (4, s0), (2, s1), (4, s1)], (5, s2)
 
 
 def fit_segments(grid: list[tuple[tuple[int, int], Segment]]) -> FittedSegment | None:
-    """Fit a bilinear model for every dim of every allocation; None if the traces do not align."""
+    """Fit every dim of every allocation; None if the traces do not align.
+
+    Four shapes on a 2×2 grid fit the bilinear basis (1, B, S, B·S); two shapes of one batch size
+    fit (1, S).
+    """
     (b0, s0), seg00 = grid[0]
     signature = seg00.signature()
     if any(seg.signature() != signature for _, seg in grid[1:]):
@@ -55,8 +100,9 @@ def fit_segments(grid: list[tuple[tuple[int, int], Segment]]) -> FittedSegment |
     for g, (_, seg) in enumerate(grid):
         for i, shape in enumerate(seg.shapes):
             values[g, i, : len(shape)] = shape
-    design = np.array([[1.0, b, s, b * s] for (b, s), _ in grid])
-    # solve the 4×4 system once for all dims: coefficients = design^-1 · values
+    per_sequence_only = len(grid) == 2
+    design = np.array([_basis(b, s, per_sequence_only) for (b, s), _ in grid])
+    # solve the small square system once for all dims: coefficients = design^-1 · values
     inverse = np.linalg.inv(design)
     coefficients = np.einsum("cg,gik->ikc", inverse, values)
     return FittedSegment(
@@ -64,6 +110,7 @@ def fit_segments(grid: list[tuple[tuple[int, int], Segment]]) -> FittedSegment |
         coefficients=coefficients,
         ranks=np.array([len(shape) for shape in seg00.shapes], dtype=np.int64),
         itemsizes=np.array(seg00.itemsizes, dtype=np.int64),
+        per_sequence_only=per_sequence_only,
     )
 
 
@@ -75,10 +122,36 @@ def check_fit(fitted: FittedSegment, shape: tuple[int, int], actual: Segment) ->
     return bool(np.array_equal(predicted, np.array(actual.sizes, dtype=np.int64)))
 
 
+def infer_padding(fitted: FittedSegment, shape: tuple[int, int], actual: Segment) -> bool:
+    """Find dims that a kernel rounds up: the check trace holds the rounded value of the fitted one.
+
+    Sets ``fitted.multiples``; False when some dim is neither the fitted value nor its round-up to
+    a power of two up to 256.
+    """
+    if actual.signature() != fitted.template.signature():
+        return False
+    predicted = fitted.dims(*shape)
+    observed = np.ones_like(predicted)
+    for i, dims in enumerate(actual.shapes):
+        observed[i, : len(dims)] = dims
+    multiples = np.ones_like(predicted)
+    for i, k in zip(*np.nonzero(predicted != observed), strict=True):
+        for multiple in (2, 4, 8, 16, 32, 64, 128, 256):
+            if -(-predicted[i, k] // multiple) * multiple == observed[i, k]:
+                multiples[i, k] = multiple
+                break
+        else:
+            return False
+    fitted.multiples = multiples if (multiples > 1).any() else None
+    return True
+
+
 def fit_trace(trace: StepTrace) -> FittedSegment | None:
-    """Fit the forward+backward segments of a trace made on ``grid_shapes``; None if it fails."""
-    (check_shape, check_seg, _), *grid_steps = trace.steps
+    """Fit a trace made of ``[check, *grid, second_check]``; None if the checks fail."""
+    (check_shape, check_seg, _), *grid_steps, (second_shape, second_seg, _) = trace.steps
     fitted = fit_segments([(shape, seg) for shape, seg, _ in grid_steps])
-    if fitted is None or not check_fit(fitted, check_shape, check_seg):
+    if fitted is None or not infer_padding(fitted, check_shape, check_seg):
+        return None
+    if not check_fit(fitted, second_shape, second_seg):
         return None
     return fitted

@@ -31,6 +31,26 @@ PHASE = {name: i for i, name in enumerate(PHASES)}
 
 ALLOC, FREE, MARK, FREE_PREV, FREE_RES = 0, 1, 2, 3, 4
 
+SizeFormula = Callable[..., int]
+_pending_hint: list[tuple[tuple[int, ...], SizeFormula]] = []
+
+
+@contextlib.contextmanager
+def sized_allocation(dims: tuple[int, ...], formula: SizeFormula) -> Iterator[None]:
+    """Declare how the next allocation's bytes follow from integer dims (each bilinear in B, S).
+
+    For the few sizes that are no product of bilinear dims (a kernel's workspace, a mask padded
+    only when misaligned, split-KV accumulators only for some shapes), emulation code allocates
+    under this hint; where the real kernel would allocate nothing it allocates an empty placeholder,
+    so the sequence of allocations is the same for every shape. The fit then predicts ``dims`` and
+    evaluates ``formula(*dims)``.
+    """
+    _pending_hint.append((tuple(int(d) for d in dims), formula))
+    try:
+        yield
+    finally:
+        _pending_hint.clear()
+
 
 @dataclass
 class Segment:
@@ -50,11 +70,13 @@ class Segment:
     # size and sequence length are predicted dim by dim (see memfit.estimate.fit)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     itemsizes: list[int] = field(default_factory=list)
+    formulas: list[SizeFormula | None] = field(default_factory=list)
 
     def signature(self) -> tuple[Any, ...]:
         """What must agree between traces of different shapes for their sizes to be fitted."""
         ranks = tuple(len(shape) for shape in self.shapes)
-        return (tuple(self.events), tuple(self.categories), tuple(self.ops), ranks, tuple(self.itemsizes))
+        formulas = tuple(getattr(f, "__qualname__", None) for f in self.formulas)
+        return (tuple(self.events), tuple(self.categories), tuple(self.ops), ranks, tuple(self.itemsizes), formulas)
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -68,6 +90,7 @@ class StorageRecorder(TorchDispatchMode):
         self.ops: list[str] = []
         self.shapes: list[tuple[int, ...]] = []
         self.itemsizes: list[int] = []
+        self.formulas: list[SizeFormula | None] = []
         self.phases: list[int] = []
         self.events: list[tuple[int, int]] = []
         self.phase = PHASE["setup"]
@@ -93,15 +116,22 @@ class StorageRecorder(TorchDispatchMode):
         self._live[key] = alloc
         nbytes = int(storage.nbytes())
         itemsize = tensor.element_size()
-        if tensor.numel() * itemsize == nbytes:
+        formula = None
+        if _pending_hint:
+            dims, formula = _pending_hint.pop()
+            self.shapes.append(dims)
+            self.itemsizes.append(0)  # 0 marks a size given by a formula
+        elif tensor.numel() * itemsize == nbytes:
             self.shapes.append(tuple(int(d) for d in tensor.shape))
             self.itemsizes.append(itemsize)
         else:  # a view onto part of a new storage: fit the storage as one flat dim
             self.shapes.append((nbytes,))
             self.itemsizes.append(1)
+        self.formulas.append(formula)
         self.sizes.append(nbytes)
         self.categories.append(category)
-        self.ops.append(op)
+        # a declared allocation may come from different ops (a placeholder or the real copy)
+        self.ops.append("declared" if formula is not None else op)
         self.phases.append(self.phase)
         self.events.append((ALLOC, alloc))
         # storages keep their Python object alive as long as the C++ storage lives, so this
@@ -316,6 +346,7 @@ def _segment(
             seg.ops.append(recorder.ops[ref])
             seg.shapes.append(recorder.shapes[ref])
             seg.itemsizes.append(recorder.itemsizes[ref])
+            seg.formulas.append(recorder.formulas[ref])
             seg.categories.append(-1)
             seg.events.append((ALLOC, local[ref]))
         elif ref in local:

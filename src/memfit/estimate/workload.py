@@ -99,7 +99,11 @@ def build_model(config: Any, spec: StepSpec) -> nn.Module:
     if spec.gradient_checkpointing:
         target = model.transformer if isinstance(model, BiEncoder) else model
         # non-reentrant checkpointing: what PyTorch recommends and what memfit train uses
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # (newer transformers renamed the method; older versions only have the first name)
+        if hasattr(target, "activation_checkpointing_enable"):
+            target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train(spec.mode == "train")
     return model
 
@@ -112,7 +116,8 @@ def _task_config(config: Any, spec: StepSpec) -> Any:
         if getattr(config, "pad_token_id", None) is None:
             # GPT-2 style classifiers need a pad id to find the last token
             config.pad_token_id = getattr(config, "eos_token_id", 0) or 0
-    if spec.task == "causal-lm" or getattr(config, "is_decoder", False):
+    if hasattr(config, "use_cache"):
+        # training keeps no key/value cache (it would hold every layer's keys and values)
         config.use_cache = False
     return config
 

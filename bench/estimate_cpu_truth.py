@@ -1,0 +1,352 @@
+"""Compare memfit's CPU estimate with a real CPU step measured from outside the process.
+
+For each case, ``memfit.estimate.estimate(..., device="cpu")`` predicts the peak; the same step
+(``memfit.estimate.workload``) then runs for real in a child process and
+``memfit.measure.measure_cpu_step`` reads its peak RSS above the between-steps baseline. The
+compared quantity is what a step adds on top of what stays resident (weights, buffers, optimizer
+state, runtime)::
+
+    measured  = VmHWM - VmRSS before the step            (median of --repeats steps)
+    estimated = total - parameters - buffers - optimizer_state - runtime_overhead
+    error %   = (estimated - measured) / measured
+
+Usage::
+
+    PYTHONPATH=src python bench/estimate_cpu_truth.py            # full matrix (~10 min, 2 cores)
+    PYTHONPATH=src python bench/estimate_cpu_truth.py --quick    # 3 cases (< 2 min)
+    PYTHONPATH=src python bench/estimate_cpu_truth.py --out      # + bench/results/estimate_cpu_truth.json
+    PYTHONPATH=src python bench/estimate_cpu_truth.py --only gpt2 --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT / "src"))
+
+from memfit.measure import measure_cpu_step  # noqa: E402
+
+MiB = 2**20
+DEFAULT_OUT = ROOT / "bench" / "results" / "estimate_cpu_truth.json"
+RESIDENT_KEYS = ("parameters", "buffers", "optimizer_state", "runtime_overhead")
+
+# custom architectures, saved with save_pretrained into a temporary folder ("@name" in a case)
+CUSTOM_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # BERT-like: 4 layers, hidden 256 (bert-mini)
+    "bert-mini": (
+        "bert",
+        dict(
+            vocab_size=30522,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=512,
+        ),
+    ),
+    # a BERT with a 120k vocabulary (multilingual-style large embedding)
+    "bert-120k": (
+        "bert",
+        dict(
+            vocab_size=120000,
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=512,
+        ),
+    ),
+    # GPT-2-like with GPT-2's 50257-token head (tied embeddings)
+    "gpt2-mini": (
+        "gpt2",
+        dict(vocab_size=50257, n_embd=256, n_layer=4, n_head=4, n_positions=1024),
+    ),
+    # MiniLM-like: all-MiniLM-L6-v2's width, 3 layers
+    "minilm-l3": (
+        "bert",
+        dict(
+            vocab_size=30522,
+            hidden_size=384,
+            num_hidden_layers=3,
+            num_attention_heads=12,
+            intermediate_size=1536,
+            max_position_embeddings=512,
+        ),
+    ),
+}
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # registry name, or "@name" for a CUSTOM_CONFIGS entry
+    task: str
+    batch_size: int
+    seq_len: int
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.model[1:] if self.model.startswith("@") else self.model.split("/")[-1]
+
+    @property
+    def knob_text(self) -> str:
+        k = self.knobs
+        parts = [k.get("mode", "train"), k.get("precision", "fp32"), k.get("attn_implementation", "sdpa")]
+        if k.get("mode", "train") == "train":
+            parts.append(k.get("optimizer", "adamw"))
+        if k.get("gradient_checkpointing"):
+            parts.append("gc")
+        if k.get("loss"):
+            parts.append(k["loss"])
+        return ",".join(parts)
+
+
+def C(model: str, task: str, batch: int, seq: int, **knobs: Any) -> Case:
+    return Case(model, task, batch, seq, knobs)
+
+
+CLS, LM, EMB = "classification", "causal-lm", "sentence-embedding"
+
+MATRIX: list[Case] = [
+    # real registry architectures, moderate shapes (random weights, nothing downloaded)
+    C("bert-base-uncased", CLS, 4, 64),
+    C("bert-base-uncased", CLS, 8, 128, mode="eval"),
+    C("bert-base-uncased", CLS, 4, 64, gradient_checkpointing=True, optimizer="sgd"),
+    C("gpt2", LM, 2, 64),  # 50257-token head
+    C("gpt2", LM, 2, 128, gradient_checkpointing=True, precision="bf16"),
+    C(MINILM, EMB, 16, 64),
+    C(MINILM, EMB, 16, 64, mode="eval", precision="bf16"),
+    # custom BERT-like
+    C("@bert-mini", CLS, 16, 128),
+    C("@bert-mini", CLS, 16, 128, attn_implementation="eager"),
+    C("@bert-mini", CLS, 16, 128, precision="bf16"),
+    C("@bert-mini", CLS, 16, 128, optimizer="sgd"),
+    C("@bert-mini", CLS, 16, 128, gradient_checkpointing=True),
+    C("@bert-mini", CLS, 16, 128, gradient_checkpointing=True, attn_implementation="eager"),
+    C("@bert-mini", CLS, 32, 128, mode="eval", attn_implementation="eager"),
+    C("@bert-120k", CLS, 8, 128),  # large-vocabulary embedding
+    C("@bert-120k", EMB, 8, 64, precision="bf16"),
+    # custom GPT-2-like
+    C("@gpt2-mini", LM, 4, 128),
+    C("@gpt2-mini", LM, 4, 128, attn_implementation="eager", optimizer="sgd"),
+    C("@gpt2-mini", LM, 4, 128, precision="bf16"),
+    C("@gpt2-mini", LM, 4, 128, gradient_checkpointing=True),
+    C("@gpt2-mini", LM, 8, 128, mode="eval"),
+    C("@gpt2-mini", CLS, 8, 128),
+    C("@gpt2-mini", LM, 4, 128, optimizer="adafactor"),
+    # custom MiniLM-like sentence embedding, every loss
+    C("@minilm-l3", EMB, 32, 64),
+    C("@minilm-l3", EMB, 32, 64, loss="cosent", attn_implementation="eager"),
+    C("@minilm-l3", EMB, 32, 64, loss="cosine", gradient_checkpointing=True),
+    C("@minilm-l3", EMB, 32, 64, loss="softmax", precision="bf16", optimizer="sgd"),
+]
+
+QUICK: list[Case] = [
+    C("@bert-mini", CLS, 16, 128),
+    C("@gpt2-mini", LM, 4, 128, gradient_checkpointing=True),
+    C("@minilm-l3", EMB, 32, 64, mode="eval"),
+]
+
+
+def write_custom_configs(folder: Path, names: set[str]) -> dict[str, str]:
+    import transformers
+
+    paths: dict[str, str] = {}
+    for name in sorted(names):
+        model_type, kwargs = CUSTOM_CONFIGS[name]
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        path = folder / name
+        config.save_pretrained(path)
+        paths[name] = str(path)
+    return paths
+
+
+def estimated_above_resident(estimate: Any) -> int:
+    return int(estimate.total_bytes) - sum(int(estimate.breakdown.get(k, 0)) for k in RESIDENT_KEYS)
+
+
+def run_case(case: Case, model_path: str, repeats: int, threads: int | None) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "model": case.model,
+        "label": case.label,
+        "task": case.task,
+        "knobs": case.knobs,
+        "knob_text": case.knob_text,
+        "batch_size": case.batch_size,
+        "seq_len": case.seq_len,
+    }
+    kwargs = dict(case.knobs, task=case.task, batch_size=case.batch_size, seq_len=case.seq_len)
+    started = time.perf_counter()
+    try:
+        from memfit.estimate import estimate
+
+        est = estimate(model_path, device="cpu", **kwargs)
+        row["estimated_bytes"] = estimated_above_resident(est)
+        row["estimate_total_bytes"] = int(est.total_bytes)
+        row["estimate_breakdown"] = {k: int(v) for k, v in est.breakdown.items()}
+        row["estimate_peak_phase"] = est.peak_phase
+    except Exception as exc:
+        row["estimate_error"] = f"{type(exc).__name__}: {exc}"
+    row["estimate_seconds"] = round(time.perf_counter() - started, 2)
+    started = time.perf_counter()
+    try:
+        m = measure_cpu_step(model_path, repeats=repeats, threads=threads, **kwargs)
+        row["measured_bytes"] = m.above_baseline_bytes
+        row["measured_samples"] = m.samples
+        row["measured_spread"] = m.spread
+        row["baseline_rss_bytes"] = m.baseline_rss_bytes
+        row["max_residual_bytes"] = m.max_residual_bytes
+        row["step_seconds"] = round(m.step_seconds, 3)
+        row["threads"] = m.threads
+    except Exception as exc:
+        row["measure_error"] = f"{type(exc).__name__}: {exc}"
+    row["measure_seconds"] = round(time.perf_counter() - started, 2)
+    if "estimated_bytes" in row and row.get("measured_bytes"):
+        row["error_pct"] = 100.0 * (row["estimated_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
+    return row
+
+
+HEADER = (
+    f"{'model':<18} {'task':<18} {'knobs':<34} {'batch':>5} {'seq':>4} "
+    f"{'measured MiB':>12} {'estimated MiB':>13} {'error %':>8} {'spread %':>8} {'time s':>6}"
+)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    def mib(key: str) -> str:
+        return f"{row[key] / MiB:.1f}" if key in row else "-"
+
+    error = f"{row['error_pct']:+.2f}" if "error_pct" in row else "-"
+    spread = f"{100 * row['measured_spread']:.2f}" if "measured_spread" in row else "-"
+    seconds = row.get("estimate_seconds", 0) + row.get("measure_seconds", 0)
+    line = (
+        f"{row['label']:<18} {row['task']:<18} {row['knob_text']:<34} {row['batch_size']:>5} "
+        f"{row['seq_len']:>4} {mib('measured_bytes'):>12} {mib('estimated_bytes'):>13} {error:>8} "
+        f"{spread:>8} {seconds:>6.1f}"
+    )
+    for key in ("estimate_error", "measure_error"):
+        if key in row:
+            first = row[key].strip().splitlines()
+            line += f"\n    {key}: {first[0] if first else ''}"
+            if key == "measure_error" and len(first) > 1:
+                line += f" ... {first[-1]}"
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3-case subset (< 2 minutes)")
+    parser.add_argument("--only", default=None, help="run only cases whose model or task contains this text")
+    parser.add_argument("--repeats", type=int, default=3, help="measured steps per case (median)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of the measured step")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument(
+        "--out",
+        nargs="?",
+        const=str(DEFAULT_OUT),
+        default=None,
+        help=f"write the rows as JSON (default path: {DEFAULT_OUT.relative_to(ROOT)})",
+    )
+    args = parser.parse_args(argv)
+    raw_args = sys.argv[1:] if argv is None else argv
+    command = "PYTHONPATH=src python bench/estimate_cpu_truth.py" + "".join(
+        " " + shlex.quote(a) for a in raw_args
+    )
+
+    cases = QUICK if args.quick else MATRIX
+    if args.only:
+        cases = [c for c in cases if args.only in c.model or args.only in c.task or args.only in c.knob_text]
+    print(f"reproduce: {command}")
+    if args.list:
+        for case in cases:
+            print(f"  {case.label:<18} {case.task:<18} {case.knob_text:<34} b={case.batch_size} s={case.seq_len}")
+        return 0
+
+    import torch
+    import transformers
+
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, {len(cases)} cases, repeats {args.repeats}"
+    )
+    print("measured = peak RSS above the between-steps RSS; estimated = total - parameters - buffers - "
+          "optimizer_state - runtime_overhead; error = (estimated - measured) / measured")
+    print(HEADER)
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="memfit-truth-") as tmp:
+        customs = write_custom_configs(Path(tmp), {c.model[1:] for c in cases if c.model.startswith("@")})
+        for case in cases:
+            path = customs[case.model[1:]] if case.model.startswith("@") else case.model
+            try:
+                row = run_case(case, path, args.repeats, args.threads)
+            except Exception:  # a bug in this script: show it, keep going
+                row = {"model": case.model, "label": case.label, "task": case.task, "knobs": case.knobs,
+                       "knob_text": case.knob_text, "batch_size": case.batch_size, "seq_len": case.seq_len,
+                       "measure_error": traceback.format_exc()}
+            rows.append(row)
+            print(format_row(row), flush=True)
+    elapsed = time.perf_counter() - started
+
+    errors = [abs(r["error_pct"]) for r in rows if "error_pct" in r]
+    spreads = [100 * r["measured_spread"] for r in rows if "measured_spread" in r]
+    failed = [r for r in rows if "error_pct" not in r]
+    summary: dict[str, Any] = {
+        "cases": len(rows),
+        "compared": len(errors),
+        "failed": len(failed),
+        "median_abs_error_pct": statistics.median(errors) if errors else None,
+        "max_abs_error_pct": max(errors) if errors else None,
+        "max_spread_pct": max(spreads) if spreads else None,
+        "seconds": round(elapsed, 1),
+    }
+    print()
+    if errors:
+        print(
+            f"|error| median {summary['median_abs_error_pct']:.2f} %, max {summary['max_abs_error_pct']:.2f} % "
+            f"over {len(errors)} cases; repeat spread max {summary['max_spread_pct']:.3f} %; "
+            f"{len(failed)} failed; {elapsed:.0f} s"
+        )
+    else:
+        print(f"no case compared ({len(failed)} failed); {elapsed:.0f} s")
+    print(f"reproduce: {command}")
+
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "command": command,
+            "environment": {
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "kernel": platform.release(),
+            },
+            "summary": summary,
+            "rows": rows,
+        }
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1681 @@
+"""Validate memfit's CUDA estimates against real fine-tuning steps on a GPU.
+
+For every case of a matrix (model × precision × gradient checkpointing × shape × attention, plus a
+few eval steps) the parent process asks ``memfit.estimate.estimate(..., device="cuda")`` for the
+peak, and a *fresh child process* runs the same step for real (``memfit.estimate.workload``: the
+very functions the estimator traces), so the caching allocator and its peak statistics start clean:
+
+1. before CUDA is touched: the device memory already used (nvidia-smi), i.e. other processes;
+2. ``torch.cuda.init()``; the model built from its config (random weights) and moved to the GPU,
+   the optimizer, ``WARMUP_STEPS`` warm-up steps (the optimizer state exists: steady state);
+3. ``torch.cuda.reset_peak_memory_stats()``, one measured step, ``synchronize()``;
+4. ``max_memory_allocated``, ``max_memory_reserved`` and the CUDA context:
+   ``(total - free) - memory_reserved() - used before`` from ``mem_get_info`` at the end
+   (nvidia-smi's per-process figure minus ``memory_reserved()`` is recorded beside it).
+
+Measured total = ``max_memory_reserved + context``, which is what the estimate's ``total_bytes``
+predicts. Errors are ``(estimated - measured) / measured`` in %, for the total, the reserved peak
+and the allocated peak. One JSON file per run (``--out``, default ``bench/results``), rewritten
+after every case so that an interrupted run still leaves its results.
+
+Usage::
+
+    python bench/gpu_validate.py                       # default matrix: 45 cases, sized for < 9 min on an H100
+    python bench/gpu_validate.py --quick               # 6 cases
+    python bench/gpu_validate.py --models gpt2 --precisions bf16 --limit 5
+    python bench/gpu_validate.py --plan-check          # + memfit.plan against real runs under a budget
+    python bench/gpu_validate.py --list                # print the cases, run nothing
+    python bench/gpu_validate.py --smoke               # CPU-only self-test of every code path (CI)
+
+Only the standard library, torch, transformers, numpy and memfit (from this checkout's ``src/``)
+are imported; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT / "src"))
+
+SCHEMA_VERSION = 1
+RUN_KIND = "memfit-gpu-validate"
+RESULT_MARKER = "@@memfit-gpu-validate-result@@ "
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+WARMUP_STEPS = 2
+SEED = 0
+DEFAULT_OUT = ROOT / "bench" / "results"
+DEFAULT_TIMEOUT_S = 300.0  # per child process
+DEFAULT_TIME_BUDGET_S = 500.0  # the whole run stays under 9 minutes even on a slow host
+STDERR_TAIL_CHARS = 3000
+# settings that change what the allocator or cuBLAS hold; memfit models the defaults, so the
+# children run without them (the header records what the parent saw)
+CHILD_ENV_REMOVED = (
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "PYTORCH_ALLOC_CONF",
+    "PYTORCH_NO_CUDA_MEMORY_CACHING",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUBLASLT_WORKSPACE_SIZE",
+    "CUDA_MODULE_LOADING",
+)
+ENV_RECORDED = (
+    *CHILD_ENV_REMOVED,
+    "CUDA_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+)
+CHILD_ENV_SET = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
+
+# --- the matrix ---------------------------------------------------------------------------------------
+CLS, LM, EMB = "classification", "causal-lm", "sentence-embedding"
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model of the matrix and the (batch, seq) shapes it runs, smallest first."""
+
+    name: str
+    task: str
+    shapes: tuple[tuple[int, int], ...]
+    loss: str | None = None
+
+
+MATRIX_MODELS: tuple[ModelEntry, ...] = (
+    ModelEntry("bert-base-uncased", CLS, ((8, 128), (32, 128), (16, 512))),
+    ModelEntry("bert-large-uncased", CLS, ((8, 128), (32, 128), (16, 512))),
+    ModelEntry("gpt2", LM, ((4, 256), (8, 512), (16, 1024))),
+    ModelEntry(MINILM, EMB, ((32, 128), (64, 256)), loss="mnrl"),
+)
+DEFAULT_PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step to estimate and measure."""
+
+    model: str  # registry name, or a local model folder (the smoke test's tiny configs)
+    task: str
+    batch_size: int
+    seq_len: int
+    precision: str = "fp32"
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    mode: str = "train"
+    optimizer: str = "adamw"
+    loss: str | None = None  # None: the task's default
+    num_labels: int = 2
+
+    @property
+    def label(self) -> str:
+        """The model's last path component: the registry name's, or the local folder's."""
+        return Path(self.model).name
+
+    @property
+    def id(self) -> str:
+        gc = "gc" if self.gradient_checkpointing else "nogc"
+        parts = [self.label, self.precision, self.attn_implementation, gc, self.mode]
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
+        if self.loss:
+            parts.append(self.loss)
+        return "/".join([*parts, f"b{self.batch_size}s{self.seq_len}"])
+
+    def knobs(self) -> dict[str, Any]:
+        """Everything the estimate and the child need, as JSON."""
+        return dataclasses.asdict(self)
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        knobs = self.knobs()
+        del knobs["model"]
+        return knobs
+
+
+def build_cases(
+    models: Sequence[ModelEntry] = MATRIX_MODELS, precisions: Sequence[str] = DEFAULT_PRECISIONS
+) -> list[Case]:
+    """The default matrix, ordered so that any prefix covers as many kinds of case as it can.
+
+    Per model: every shape for every precision (sdpa, no checkpointing); checkpointing at the
+    largest shape for every precision and at the middle shape for the last one; eager attention
+    at the middle shape (first precision) and the largest (last precision, checkpointing); one
+    eval step. The groups are interleaved round-robin: first one case of every group, then the
+    second of every group, and so on, so that a run cut short still has some of everything.
+    """
+    first, last = precisions[0], precisions[-1]
+    groups: list[list[Case]] = []
+    for i, entry in enumerate(models):
+        middle, largest = entry.shapes[len(entry.shapes) // 2], entry.shapes[-1]
+
+        def case(
+            shape: tuple[int, int], precision: str, *, entry: ModelEntry = entry, **knobs: Any
+        ) -> Case:
+            return Case(
+                entry.name, entry.task, shape[0], shape[1], precision, loss=entry.loss, **knobs
+            )
+
+        for precision in precisions:
+            groups.append([case(shape, precision) for shape in entry.shapes])
+        checkpointed = [case(largest, p, gradient_checkpointing=True) for p in precisions]
+        checkpointed.append(case(middle, last, gradient_checkpointing=True))
+        groups.append(checkpointed)
+        groups.append(
+            [
+                case(middle, first, attn_implementation="eager"),
+                case(largest, last, attn_implementation="eager", gradient_checkpointing=True),
+            ]
+        )
+        groups.append([case(largest, precisions[i % len(precisions)], mode="eval")])
+    return _dedupe(_round_robin(groups))
+
+
+# a handful of cases that touch every knob once (``--quick``; the GPU test runs it)
+QUICK_CASES: tuple[Case, ...] = (
+    Case("bert-base-uncased", CLS, 8, 128, "fp32"),
+    Case("bert-base-uncased", CLS, 16, 512, "bf16", gradient_checkpointing=True),
+    Case("gpt2", LM, 4, 256, "bf16"),
+    Case("gpt2", LM, 4, 256, "fp32", attn_implementation="eager"),
+    Case(MINILM, EMB, 32, 128, "fp32", loss="mnrl"),
+    Case("bert-base-uncased", CLS, 32, 128, "bf16", mode="eval"),
+)
+
+# --plan-check: (model, task, seq_len) × budgets, effective batch 64
+PLAN_MODELS: tuple[tuple[str, str, int], ...] = (("bert-base-uncased", CLS, 256), ("gpt2", LM, 512))
+PLAN_BUDGETS_GIB: tuple[int, ...] = (6, 10, 16)
+PLAN_EFFECTIVE_BATCH = 64
+PLAN_OPTIMIZER_STEPS = 3
+
+
+def _round_robin(groups: Sequence[Sequence[Case]]) -> list[Case]:
+    out: list[Case] = []
+    for rank in range(max((len(g) for g in groups), default=0)):
+        out.extend(g[rank] for g in groups if rank < len(g))
+    return out
+
+
+def _dedupe(cases: Sequence[Case]) -> list[Case]:
+    out: list[Case] = []
+    for case in cases:
+        if case not in out:
+            out.append(case)
+    return out
+
+
+def select_cases(args: argparse.Namespace) -> list[Case]:
+    """The cases the flags ask for: the matrix or --quick, filtered by --models/--precisions, --limit."""
+    models = _canonical_models(args.models)
+    precisions = args.precisions or list(DEFAULT_PRECISIONS)
+    if args.quick:
+        cases = [c for c in QUICK_CASES if c.precision in precisions]
+    else:
+        cases = build_cases(MATRIX_MODELS, precisions)
+    if models is not None:
+        cases = [c for c in cases if c.model in models]
+    return cases if args.limit is None else cases[: args.limit]
+
+
+def _canonical_models(names: Sequence[str] | None) -> set[str] | None:
+    if not names:
+        return None
+    from memfit.errors import UsageError
+    from memfit.models import resolve_model
+
+    known = {m.name for m in MATRIX_MODELS}
+    chosen: set[str] = set()
+    for name in names:
+        try:
+            canonical = resolve_model(name).name
+        except UsageError as exc:
+            raise SystemExit(f"--models: {exc}") from None
+        if canonical not in known:
+            raise SystemExit(
+                f"--models: {name!r} is not in the matrix; choose from {', '.join(sorted(known))}"
+            )
+        chosen.add(canonical)
+    return chosen
+
+
+# --- nvidia-smi and git, read without extra dependencies ----------------------------------------------
+def _smi(*query: str) -> list[list[str]] | None:
+    """Rows of an ``nvidia-smi --query-...`` in CSV, or None when nvidia-smi is missing or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run(
+            [exe, *query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [
+        [cell.strip() for cell in line.split(",")]
+        for line in done.stdout.splitlines()
+        if line.strip()
+    ]
+
+
+def _mib(text: str) -> int | None:
+    try:
+        return int(float(text) * MiB)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def smi_gpus() -> list[dict[str, Any]] | None:
+    rows = _smi("--query-gpu=index,uuid,name,memory.used,memory.total,driver_version")
+    if rows is None:
+        return None
+    return [
+        {
+            "index": row[0],
+            "uuid": row[1],
+            "name": row[2],
+            "used_bytes": _mib(row[3]),
+            "total_bytes": _mib(row[4]),
+            "driver_version": row[5],
+        }
+        for row in rows
+        if len(row) >= 6
+    ]
+
+
+def smi_apps() -> list[dict[str, Any]] | None:
+    rows = _smi("--query-compute-apps=pid,gpu_uuid,used_memory")
+    if rows is None:
+        return None
+    apps = []
+    for row in rows:
+        if len(row) >= 3 and row[0].isdigit():
+            apps.append({"pid": int(row[0]), "gpu_uuid": row[1], "used_bytes": _mib(row[2])})
+    return apps
+
+
+def _uuid_hex(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    text = str(value).lower().replace("gpu-", "")
+    return re.sub(r"[^0-9a-f]", "", text)
+
+
+def _this_gpu(gpus: list[dict[str, Any]] | None, torch_uuid: Any) -> dict[str, Any] | None:
+    """The nvidia-smi row of the GPU torch uses as cuda:0 (by UUID, else the only one, else by index)."""
+    if not gpus:
+        return None
+    wanted = _uuid_hex(torch_uuid) if torch_uuid is not None else ""
+    for gpu in gpus:
+        if wanted and _uuid_hex(gpu["uuid"]) == wanted:
+            return gpu
+    if len(gpus) == 1:
+        return gpus[0]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return next((g for g in gpus if g["index"] == visible), None)
+
+
+def git_commit(root: Path = ROOT) -> str | None:
+    """The checked-out commit, read from ``.git`` (no git process; the checkout may have no .git)."""
+    try:
+        git = root / ".git"
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            git = (root / git.read_text().split(":", 1)[1].strip()).resolve()
+        common = git
+        if (git / "commondir").is_file():
+            common = (git / (git / "commondir").read_text().strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head
+        ref = head[4:].strip()
+        for base in (git, common):
+            if (base / ref).is_file():
+                return (base / ref).read_text().strip()
+        packed = common / "packed-refs"
+        if packed.is_file():
+            for line in packed.read_text().splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0]
+    except (OSError, IndexError):
+        return None
+    return None
+
+
+# --- the child: one case in a fresh process -----------------------------------------------------------
+class DeviceProbe:
+    """The memory figures of the device a child runs on; on the CPU (the smoke test) mostly zeros."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.cuda = device == "cuda"
+        # before CUDA is initialised: what the device already holds (other processes)
+        self.gpus_before = smi_gpus() if self.cuda else None
+        self.gpu: dict[str, Any] | None = None
+        self.total = 0
+        self.used_after_init = 0
+
+    def init(self) -> None:
+        if not self.cuda:
+            return
+        import torch
+
+        torch.cuda.init()
+        free, self.total = torch.cuda.mem_get_info()
+        self.used_after_init = self.total - free
+        self.gpu = _this_gpu(
+            self.gpus_before, getattr(torch.cuda.get_device_properties(0), "uuid", None)
+        )
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def reset_peaks(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+    def peaks(self) -> dict[str, int]:
+        if not self.cuda:
+            return {"allocated_peak_bytes": 0, "reserved_peak_bytes": 0}
+        import torch
+
+        return {
+            "allocated_peak_bytes": int(torch.cuda.max_memory_allocated()),
+            "reserved_peak_bytes": int(torch.cuda.max_memory_reserved()),
+        }
+
+    def final(self) -> dict[str, Any]:
+        """Peaks since the last reset, what is held now, and the CUDA context."""
+        stats: dict[str, Any] = {**self.peaks(), "peak_rss_bytes": _peak_rss_bytes()}
+        if not self.cuda:
+            return {
+                **stats,
+                "allocated_end_bytes": 0,
+                "reserved_end_bytes": 0,
+                "context_bytes": 0,
+                "context_method": "none (cpu)",
+            }
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        reserved_end = int(torch.cuda.memory_reserved())
+        used_end = total - free
+        before = None if self.gpu is None else self.gpu.get("used_bytes")
+        context = used_end - reserved_end - (before or 0)
+        method = "mem_get_info - reserved - used before (nvidia-smi)"
+        if before is None or context <= 0:
+            context, method = used_end - reserved_end, "mem_get_info - reserved"
+        apps = smi_apps()
+        own = others = None
+        if apps is not None:
+            gpu_uuid = None if self.gpu is None else _uuid_hex(self.gpu["uuid"])
+            same_gpu = [a for a in apps if gpu_uuid is None or _uuid_hex(a["gpu_uuid"]) == gpu_uuid]
+            own = next((a["used_bytes"] for a in same_gpu if a["pid"] == os.getpid()), None)
+            others = sum(a["used_bytes"] or 0 for a in same_gpu if a["pid"] != os.getpid())
+        memory_stats = torch.cuda.memory_stats()
+        return {
+            **stats,
+            "allocated_end_bytes": int(torch.cuda.memory_allocated()),
+            "reserved_end_bytes": reserved_end,
+            "context_bytes": int(context),
+            "context_method": method,
+            "context_smi_bytes": None if own is None else own - reserved_end,
+            "smi_process_used_bytes": own,
+            "smi_other_processes_bytes": others,
+            "device_total_bytes": int(total),
+            "device_used_before_bytes": before,
+            "device_used_after_init_bytes": self.used_after_init,
+            "device_used_end_bytes": int(used_end),
+            "alloc_retries": int(memory_stats.get("num_alloc_retries", 0)),
+            "allocator_ooms": int(memory_stats.get("num_ooms", 0)),
+        }
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * KiB
+    except (ImportError, OSError):
+        return 0
+
+
+def _spec_for(request: Mapping[str, Any]) -> Any:
+    """The StepSpec the estimator builds for these knobs (same validation, same loss resolution)."""
+    from memfit.errors import UsageError
+    from memfit.estimate import validate
+
+    spec, problems = validate(
+        task=request["task"],
+        batch_size=request["batch_size"],
+        seq_len=request["seq_len"],
+        precision=request["precision"],
+        optimizer=request["optimizer"],
+        attn_implementation=request["attn_implementation"],
+        mode=request["mode"],
+        device=request["device"],
+        num_labels=request["num_labels"],
+        loss=request.get("loss"),
+    )
+    if problems:
+        raise UsageError("; ".join(problems))
+    return dataclasses.replace(spec, gradient_checkpointing=bool(request["gradient_checkpointing"]))
+
+
+def child_main(request: dict[str, Any]) -> int:
+    """Run one case (``--case``) and print its result as one JSON line after RESULT_MARKER."""
+    try:
+        result = _child_run(request)
+    except Exception as exc:
+        result = {
+            "status": "error",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+def _child_run(request: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    device = request["device"]
+    probe = DeviceProbe(device)  # nvidia-smi baseline before torch touches the GPU
+
+    import torch
+
+    from memfit.estimate import workload
+    from memfit.models import resolve_model
+
+    oom_error: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    probe.init()
+    if request.get("memory_fraction") is not None and device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(float(request["memory_fraction"]))
+    spec = _spec_for(request)
+    torch.manual_seed(SEED)
+    config = resolve_model(request["model"]).config
+    timings: dict[str, float] = {"init_s": time.perf_counter() - started}
+    phase = "build"
+    try:
+        t = time.perf_counter()
+        model = workload.build_model(config, spec).to(device)
+        optimizer = (
+            workload.make_optimizer(spec.optimizer, model, device) if spec.mode == "train" else None
+        )
+        autocast = workload.default_autocast(spec, device)
+        scaler = workload.make_scaler(spec, device, fake=False)
+        timings["build_s"] = time.perf_counter() - t
+        batch_size, seq_len = int(request["batch_size"]), int(request["seq_len"])
+
+        def step() -> None:
+            # the batch is created inside the step: the estimator counts it as activations
+            batch = workload.make_batch(config, spec, batch_size, seq_len, device=device)
+            if optimizer is None:
+                workload.eval_step(model, batch, spec, autocast=autocast)
+            else:
+                workload.training_step(
+                    model, batch, spec, optimizer, scaler=scaler, autocast=autocast
+                )
+            del batch
+
+        if request["kind"] == "plan":
+            phase = "plan-run"
+            t = time.perf_counter()
+            assert optimizer is not None, "a plan check trains"
+            _accumulated_steps(request, config, spec, model, optimizer, scaler, autocast)
+            probe.synchronize()
+            timings["run_s"] = time.perf_counter() - t
+            return {"status": "ok", "stats": probe.final(), "timings": timings}
+
+        phase = "warmup"
+        t = time.perf_counter()
+        for _ in range(int(request.get("warmup", WARMUP_STEPS))):
+            step()
+        probe.synchronize()
+        timings["warmup_s"] = time.perf_counter() - t
+        warm = probe.peaks()
+        probe.reset_peaks()
+        phase = "measured-step"
+        t = time.perf_counter()
+        step()
+        probe.synchronize()
+        timings["step_s"] = time.perf_counter() - t
+        stats = probe.final()
+        stats["warmup_allocated_peak_bytes"] = warm["allocated_peak_bytes"]
+        stats["warmup_reserved_peak_bytes"] = warm["reserved_peak_bytes"]
+        return {"status": "ok", "stats": stats, "timings": timings}
+    except oom_error as exc:
+        return {
+            "status": "oom",
+            "oom_phase": phase,
+            "error": str(exc).splitlines()[0][:500] if str(exc) else "out of memory",
+            "stats": {**probe.peaks(), "context_bytes": None, "device_total_bytes": probe.total},
+            "timings": timings,
+        }
+
+
+def _accumulated_steps(
+    request: Mapping[str, Any],
+    config: Any,
+    spec: Any,
+    model: Any,
+    optimizer: Any,
+    scaler: Any,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> None:
+    """A plan's run: optimizer steps of ``accumulation_steps`` micro-batches each."""
+    from memfit.estimate import workload
+
+    device = request["device"]
+    micro, seq_len = int(request["batch_size"]), int(request["seq_len"])
+    accumulation = max(1, int(request.get("accumulation_steps", 1)))
+    for _ in range(int(request.get("optimizer_steps", PLAN_OPTIMIZER_STEPS))):
+        if accumulation == 1:
+            batch = workload.make_batch(config, spec, micro, seq_len, device=device)
+            workload.training_step(model, batch, spec, optimizer, scaler=scaler, autocast=autocast)
+            del batch
+            continue
+        for _ in range(accumulation):
+            batch = workload.make_batch(config, spec, micro, seq_len, device=device)
+            with autocast():
+                loss = workload.compute_loss(model, batch, spec) / accumulation
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss, batch
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+# --- the parent: run children, estimate, compare ------------------------------------------------------
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_REMOVED}
+    env.update(CHILD_ENV_SET)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def _tail(text: str | bytes | None) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-STDERR_TAIL_CHARS:]
+
+
+def run_child(request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Run one request in a fresh interpreter; always returns a result dict (never raises)."""
+    command = [sys.executable, str(SCRIPT), "--case", json.dumps(request)]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=child_env(),
+            cwd=str(ROOT),
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        return {
+            "status": "timeout",
+            "error": f"no result within {timeout_s:.0f} s",
+            "stderr_tail": _tail(exc.stderr),
+            "child_seconds": round(time.perf_counter() - started, 2),
+        }
+    result: dict[str, Any] | None = None
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER) :])
+            break
+    if result is None:
+        result = {
+            "status": "error",
+            "error": f"the child exited with {done.returncode} and no result",
+        }
+    if result["status"] == "error":
+        result["stderr_tail"] = _tail(done.stderr)
+    result["child_seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+def estimate_case(case: Case, device: str) -> tuple[dict[str, Any] | None, str | None]:
+    """memfit's estimate of a case as a JSON-able dict, or the error it raised."""
+    try:
+        from memfit.estimate import estimate
+
+        est = estimate(case.model, device=device, **case.estimate_kwargs())
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    details = est.details
+    return {
+        "total_bytes": int(est.total_bytes),
+        "allocated_peak_bytes": details.get("allocated_peak_bytes"),
+        "reserved_peak_bytes": details.get("reserved_peak_bytes"),
+        "context_bytes": details.get("context_bytes"),
+        "breakdown": {k: int(v) for k, v in est.breakdown.items()},
+        "peak_phase": est.peak_phase,
+        "loss": est.spec.loss,
+        "device_profile": details.get("device_profile"),
+        "method": details.get("method"),
+        "num_parameters": details.get("num_parameters"),
+        "trace_seconds": details.get("trace_seconds"),
+        "estimate_seconds": details.get("estimate_seconds"),
+    }, None
+
+
+def error_pct(estimated: float | None, measured: float | None) -> float | None:
+    """(estimated - measured) / measured in %, None when either side is missing or measured is 0."""
+    if estimated is None or measured is None or measured <= 0:
+        return None
+    return round(100.0 * (estimated - measured) / measured, 2)
+
+
+def make_row(
+    index: int,
+    case: Case,
+    device: str,
+    child: Mapping[str, Any],
+    estimated: dict[str, Any] | None,
+    estimate_error: str | None,
+    device_total: int | None,
+) -> dict[str, Any]:
+    stats = dict(child.get("stats") or {})
+    status = str(child["status"])
+    measured: dict[str, Any] = {
+        "status": status,
+        "allocated_peak_bytes": stats.pop("allocated_peak_bytes", None),
+        "reserved_peak_bytes": stats.pop("reserved_peak_bytes", None),
+        "context_bytes": stats.pop("context_bytes", None),
+        "total_bytes": None,
+        **stats,
+        "timings": child.get("timings", {}),
+        "child_seconds": child.get("child_seconds"),
+    }
+    if status == "ok":
+        measured["total_bytes"] = measured["reserved_peak_bytes"] + measured["context_bytes"]
+    for key in ("oom_phase", "error", "traceback", "stderr_tail"):
+        if child.get(key):
+            measured[key] = child[key]
+    if estimated is not None:
+        estimated = dict(estimated)
+        estimated["fits_device"] = (
+            None if not device_total else estimated["total_bytes"] <= device_total
+        )
+    knobs = case.knobs()
+    if estimated is not None:
+        knobs["loss"] = estimated["loss"]
+    est = estimated or {}
+    return {
+        "index": index,
+        "id": case.id,
+        "case": {**knobs, "device": device},
+        "status": status,
+        "measured": measured,
+        "estimated": estimated,
+        "estimate_error": estimate_error,
+        "error_pct": {
+            "total": error_pct(est.get("total_bytes"), measured["total_bytes"]),
+            "reserved": error_pct(est.get("reserved_peak_bytes"), measured["reserved_peak_bytes"]),
+            "allocated": error_pct(
+                est.get("allocated_peak_bytes"), measured["allocated_peak_bytes"]
+            ),
+        },
+        # an OOM the estimate saw coming: it did not fit the device either
+        "oom_predicted": None
+        if status != "oom" or not estimated
+        else estimated["fits_device"] is False,
+    }
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], planned: int) -> dict[str, Any]:
+    """Median and max |error| per quantity over the cases with both a measurement and an estimate."""
+    summary: dict[str, Any] = {
+        "cases_planned": planned,
+        "cases_run": len(rows),
+        "ok": sum(r["status"] == "ok" for r in rows),
+        "oom": sum(r["status"] == "oom" for r in rows),
+        "oom_predicted": sum(bool(r.get("oom_predicted")) for r in rows),
+        "errors": sum(r["status"] in ("error", "timeout") for r in rows),
+        "estimate_errors": sum(r["estimate_error"] is not None for r in rows),
+    }
+    for quantity in ("total", "reserved", "allocated"):
+        errors = [
+            (r["error_pct"][quantity], r["id"])
+            for r in rows
+            if r["error_pct"][quantity] is not None
+        ]
+        stats: dict[str, Any] = {
+            "n": len(errors),
+            "median_abs": None,
+            "max_abs": None,
+            "worst": None,
+        }
+        if errors:
+            worst = max(errors, key=lambda e: abs(e[0]))
+            stats.update(
+                median_abs=round(statistics.median(abs(e) for e, _ in errors), 2),
+                max_abs=round(abs(worst[0]), 2),
+                worst=worst[1],
+                mean=round(statistics.fmean(e for e, _ in errors), 2),
+                underestimates=sum(e < 0 for e, _ in errors),
+                worst_underestimate=round(min(e for e, _ in errors), 2),
+            )
+        summary[f"{quantity}_error_pct"] = stats
+    contexts = [
+        r["measured"]["context_bytes"]
+        for r in rows
+        if r["status"] == "ok" and r["measured"]["context_bytes"]
+    ]
+    summary["context_bytes_median"] = int(statistics.median(contexts)) if contexts else None
+    return summary
+
+
+class RunFile:
+    """The run's JSON document, rewritten (atomically) after every case."""
+
+    def __init__(self, path: Path, header: dict[str, Any], planned: int) -> None:
+        self.path = path
+        self.planned = planned
+        self.doc: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": RUN_KIND,
+            "header": header,
+            "rows": [],
+            "plan_checks": [],
+            "summary": summarize([], planned),
+        }
+        self.write()
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        self.doc["rows"].append(row)
+        self.doc["summary"] = summarize(self.doc["rows"], self.planned)
+        self.write()
+
+    def add_plan_check(self, check: dict[str, Any]) -> None:
+        self.doc["plan_checks"].append(check)
+        self.write()
+
+    def finish(self, **extra: Any) -> None:
+        self.doc["header"].update(extra)
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = self.path.with_name(self.path.name + ".tmp")
+        scratch.write_text(json.dumps(self.doc, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+        os.replace(scratch, self.path)
+
+
+# --- printing -----------------------------------------------------------------------------------------
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GiB:.2f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}"
+
+
+TABLE_HEADER = (
+    f"{'#':>3} {'case':<50} {'meas GiB':>8} {'est GiB':>8} {'Δtotal%':>8} {'Δresv%':>7} {'Δalloc%':>8} "
+    f"{'ctx MiB':>7} {'s':>5}"
+)
+
+
+def format_row(row: Mapping[str, Any]) -> str:
+    measured, est, err = row["measured"], row["estimated"] or {}, row["error_pct"]
+    context = measured.get("context_bytes")
+    text = (
+        f"{row['index'] + 1:>3} {row['id']:<50} {_gib(measured['total_bytes']):>8} {_gib(est.get('total_bytes')):>8} "
+        f"{_pct(err['total']):>8} {_pct(err['reserved']):>7} {_pct(err['allocated']):>8} "
+        f"{'-' if context is None else f'{context / MiB:.0f}':>7} {measured.get('child_seconds') or 0:>5.1f}"
+    )
+    if row["status"] != "ok":
+        text += f"  {row['status'].upper()}"
+        if row["status"] == "oom":
+            predicted = row.get("oom_predicted")
+            text += f" at {measured.get('oom_phase')} (estimate {'predicted it' if predicted else 'said it fits'})"
+        elif measured.get("error"):
+            text += f": {measured['error'][:160]}"
+    if row["estimate_error"]:
+        text += f"  ESTIMATE ERROR: {row['estimate_error'][:160]}"
+    return text
+
+
+def print_summary(summary: Mapping[str, Any], path: Path, reproduce: str) -> None:
+    print()
+    print(
+        f"cases: {summary['cases_run']}/{summary['cases_planned']} run, {summary['ok']} ok, {summary['oom']} OOM "
+        f"({summary['oom_predicted']} predicted), {summary['errors']} failed, {summary['estimate_errors']} estimate errors"
+    )
+    for quantity in ("total", "reserved", "allocated"):
+        stats = summary[f"{quantity}_error_pct"]
+        if stats["n"]:
+            print(
+                f"{quantity:>9} error over {stats['n']} cases: median |err| {stats['median_abs']:.2f} %, "
+                f"max |err| {stats['max_abs']:.2f} % ({stats['worst']}), "
+                f"{stats['underestimates']} under-estimates (worst {stats['worst_underestimate']:+.2f} %)"
+            )
+        elif quantity == "total":
+            print("    total error: no case has both a CUDA measurement and an estimate")
+    if summary.get("context_bytes_median"):
+        print(f"  measured CUDA context (median): {summary['context_bytes_median'] / MiB:.0f} MiB")
+    print(f"results: {path}")
+    print(f"reproduce: {reproduce}")
+
+
+# --- header -------------------------------------------------------------------------------------------
+def reproduce_command(argv: Sequence[str]) -> str:
+    return (
+        f"cd {shlex.quote(str(ROOT))} && python bench/gpu_validate.py {shlex.join(argv)}".rstrip()
+    )
+
+
+def collect_header(
+    argv: Sequence[str], device: str, *, smoke: bool, cases: Sequence[Case]
+) -> dict[str, Any]:
+    import numpy
+    import torch
+    import transformers
+
+    import memfit
+
+    now = dt.datetime.now(dt.timezone.utc)
+    gpu: dict[str, Any] | None = None
+    profile: dict[str, Any] | None = None
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        smi = _this_gpu(smi_gpus(), getattr(props, "uuid", None))
+        gpu = {
+            "name": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "total_memory_bytes": int(props.total_memory),
+            "multi_processor_count": int(props.multi_processor_count),
+            "uuid": None if smi is None else smi["uuid"],
+            "driver_version": None if smi is None else smi["driver_version"],
+            "smi_total_bytes": None if smi is None else smi["total_bytes"],
+            "smi_used_bytes_at_start": None if smi is None else smi["used_bytes"],
+            "device_count": torch.cuda.device_count(),
+        }
+        from memfit.estimate import device as memfit_device
+
+        profile = dataclasses.asdict(memfit_device.cuda_profile((props.major, props.minor)))
+    return {
+        "timestamp": now.isoformat(timespec="seconds"),
+        "timestamp_compact": now.strftime("%Y%m%dT%H%M%SZ"),
+        "device": device,
+        "smoke": smoke,
+        "gpu": gpu,
+        "memfit_profile": profile,
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
+            "transformers": transformers.__version__,
+            "numpy": numpy.__version__,
+            "memfit": memfit.__version__,
+            "platform": platform.platform(),
+        },
+        "git_commit": git_commit(),
+        "hostname": platform.node(),
+        "command": [sys.executable, *sys.argv],
+        "argv": list(argv),
+        "reproduce": reproduce_command(argv),
+        "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
+        "child_env_removed": list(CHILD_ENV_REMOVED),
+        "warmup_steps": WARMUP_STEPS,
+        "cases_planned": [c.id for c in cases],
+    }
+
+
+def run_path(out_dir: Path, header: Mapping[str, Any]) -> Path:
+    gpu = header["gpu"]["name"] if header["gpu"] else ("cpu-smoke" if header["smoke"] else "cpu")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-") or "device"
+    path = out_dir / f"{header['timestamp_compact']}_{slug}.json"
+    n = 1
+    while path.exists():  # two runs in the same second
+        n += 1
+        path = out_dir / f"{header['timestamp_compact']}_{slug}_{n}.json"
+    return path
+
+
+# --- the run ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def estimates_ahead(cases: Sequence[Case], device: str) -> Iterator[list[Future[Any]]]:
+    """Estimate every case, in order, in one background thread while the children run.
+
+    The main thread only waits on child processes, so the (Python-heavy) tracing overlaps with the
+    GPU work; traces are cached per model and knobs, so the thread soon runs ahead.
+    """
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-estimate")
+    try:
+        yield [pool.submit(estimate_case, case, device) for case in cases]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Deadline:
+    """Start no more children once the next one would likely end past ``budget_s`` (0: no limit)."""
+
+    budget_s: float = 0.0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    children: int = 0
+
+    def allows_another(self) -> bool:
+        if not self.budget_s or not self.children:
+            return True
+        elapsed = time.perf_counter() - self.started
+        return elapsed + elapsed / self.children <= self.budget_s
+
+    def tick(self) -> None:
+        self.children += 1
+
+
+def run_cases(
+    cases: Sequence[Case],
+    device: str,
+    run: RunFile,
+    *,
+    timeout_s: float,
+    device_total: int | None,
+    deadline: Deadline | None = None,
+) -> None:
+    """Estimate and measure every case, printing a table row and rewriting the JSON after each."""
+    deadline = deadline or Deadline()
+    print(TABLE_HEADER, flush=True)
+    with estimates_ahead(cases, device) as futures:
+        if futures and device == "cuda":
+            # the first estimate before the first child: whatever the parent's torch sets up on the
+            # device exists before any child reads its baseline
+            futures[0].result()
+        for index, (case, future) in enumerate(zip(cases, futures, strict=True)):
+            if not deadline.allows_another():
+                left = [c.id for c in cases[index:]]
+                print(
+                    f"time budget of {deadline.budget_s:.0f} s reached: {len(left)} cases left out",
+                    flush=True,
+                )
+                run.finish(cases_left_out=left)
+                return
+            request = {"kind": "step", **case.knobs(), "device": device, "warmup": WARMUP_STEPS}
+            child = run_child(request, timeout_s)
+            deadline.tick()
+            estimated, estimate_error = future.result()
+            row = make_row(index, case, device, child, estimated, estimate_error, device_total)
+            run.add_row(row)
+            print(format_row(row), flush=True)
+
+
+# --- plan check ---------------------------------------------------------------------------------------
+PLAN_FIELDS: dict[str, tuple[str, ...]] = {
+    "batch_size": (
+        "micro_batch_size",
+        "per_device_train_batch_size",
+        "per_device_batch_size",
+        "batch_size",
+    ),
+    "accumulation_steps": (
+        "gradient_accumulation_steps",
+        "accumulation_steps",
+        "grad_accumulation_steps",
+    ),
+    "precision": ("precision",),
+    "gradient_checkpointing": ("gradient_checkpointing",),
+    "optimizer": ("optimizer",),
+    "attn_implementation": ("attn_implementation",),
+    "predicted_total_bytes": (
+        "total_bytes",
+        "predicted_total_bytes",
+        "predicted_bytes",
+        "peak_bytes",
+    ),
+}
+PLAN_NESTED = (
+    "config",
+    "configuration",
+    "best",
+    "recommended",
+    "chosen",
+    "choice",
+    "plan",
+    "estimate",
+)
+
+
+def find_planner() -> tuple[Callable[..., Any] | None, str]:
+    """``memfit.plan`` when it exists (a function, or a module with a ``plan`` function)."""
+    try:
+        import memfit
+
+        candidate: Any = getattr(memfit, "plan", None)
+        if candidate is None:
+            candidate = importlib.import_module("memfit.plan")
+    except ImportError as exc:
+        return None, f"memfit.plan not available ({exc})"
+    except Exception as exc:  # a half-written module must not stop the validation run
+        return None, f"memfit.plan failed to import: {type(exc).__name__}: {exc}"
+    if isinstance(candidate, types.ModuleType):
+        candidate = getattr(candidate, "plan", None)
+    if not callable(candidate):
+        return None, "memfit.plan not available (not callable)"
+    return candidate, "memfit.plan"
+
+
+def _shallow(obj: Any) -> dict[str, Any] | None:
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        with contextlib.suppress(Exception):
+            value = to_dict()
+            if isinstance(value, Mapping):
+                return dict(value)
+    if hasattr(obj, "__dict__"):
+        return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+    return None
+
+
+def plan_settings(plan: Any, effective_batch: int) -> tuple[dict[str, Any], list[str]]:
+    """The configuration a plan chose, read tolerantly; returns it and the fields assumed."""
+    layers: list[dict[str, Any]] = []
+    queue = [plan]
+    while queue and len(layers) < 8:
+        found = _shallow(queue.pop(0))
+        if found is None:
+            continue
+        layers.append(found)
+        queue.extend(found[k] for k in PLAN_NESTED if found.get(k) is not None)
+    settings: dict[str, Any] = {}
+    for field_name, names in PLAN_FIELDS.items():
+        for layer in layers:
+            value = next((layer[n] for n in names if layer.get(n) is not None), None)
+            if value is not None:
+                settings[field_name] = value
+                break
+    if "batch_size" not in settings:
+        raise ValueError(f"no micro-batch size in the plan: {_brief(plan)}")
+    assumed: list[str] = []
+    defaults = {
+        "accumulation_steps": math.ceil(effective_batch / int(settings["batch_size"])),
+        "precision": "fp32",
+        "gradient_checkpointing": False,
+        "optimizer": "adamw",
+        "attn_implementation": "sdpa",
+    }
+    for key, value in defaults.items():
+        if key not in settings:
+            settings[key] = value
+            assumed.append(key)
+    settings["batch_size"] = int(settings["batch_size"])
+    settings["accumulation_steps"] = int(settings["accumulation_steps"])
+    settings["gradient_checkpointing"] = bool(settings["gradient_checkpointing"])
+    return settings, assumed
+
+
+def _brief(obj: Any, limit: int = 400) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def run_plan_checks(
+    planner: Callable[..., Any],
+    checks: Sequence[tuple[str, str, int, int]],
+    device: str,
+    run: RunFile,
+    *,
+    timeout_s: float,
+    device_total: int | None,
+    deadline: Deadline | None = None,
+) -> None:
+    """For each (model, task, seq_len, budget): plan, then run the plan for real under the budget."""
+    deadline = deadline or Deadline()
+    print(
+        f"\nplan check ({PLAN_OPTIMIZER_STEPS} optimizer steps, effective batch {PLAN_EFFECTIVE_BATCH}):"
+    )
+    for model, task, seq_len, budget in checks:
+        if not deadline.allows_another():
+            print(
+                f"time budget of {deadline.budget_s:.0f} s reached: plan checks left out",
+                flush=True,
+            )
+            run.finish(plan_checks_left_out=True)
+            return
+        check = ask_plan(planner, model, task, seq_len, budget)
+        if check["status"] == "ok":
+            run_plan(check, device, timeout_s=timeout_s, device_total=device_total)
+            deadline.tick()
+        run.add_plan_check(check)
+        print(format_plan_check(check), flush=True)
+
+
+def ask_plan(
+    planner: Callable[..., Any], model: str, task: str, seq_len: int, budget: int
+) -> dict[str, Any]:
+    """A plan-check record with what the planner chose (status ok), or why there is no plan."""
+    from memfit.errors import NothingFitsError
+
+    check: dict[str, Any] = {
+        "model": model,
+        "task": task,
+        "seq_len": seq_len,
+        "effective_batch_size": PLAN_EFFECTIVE_BATCH,
+        "budget_bytes": budget,
+        "plan": None,
+        "assumed": [],
+        "status": "ok",
+        "measured": None,
+        "error": None,
+    }
+    try:
+        plan = planner(
+            model,
+            task=task,
+            seq_len=seq_len,
+            effective_batch_size=PLAN_EFFECTIVE_BATCH,
+            gpu_memory=budget,
+        )
+        settings, check["assumed"] = plan_settings(plan, PLAN_EFFECTIVE_BATCH)
+        check["plan"] = {**settings, "repr": _brief(plan)}
+    except NothingFitsError as exc:
+        check.update(status="nothing-fits", error=str(exc))
+    except Exception as exc:
+        check.update(status="plan-error", error=f"{type(exc).__name__}: {exc}")
+    return check
+
+
+def run_plan(
+    check: dict[str, Any], device: str, *, timeout_s: float, device_total: int | None
+) -> None:
+    """Run a plan's configuration for real in a child, capped at the budget; fills ``measured``."""
+    budget = int(check["budget_bytes"])
+    knobs = {k: v for k, v in check["plan"].items() if k not in ("repr", "predicted_total_bytes")}
+    request = {
+        "kind": "plan",
+        **Case(check["model"], check["task"], 1, check["seq_len"]).knobs(),
+        **knobs,
+        "device": device,
+        "optimizer_steps": PLAN_OPTIMIZER_STEPS,
+        "budget_bytes": budget,
+        # the allocator may reserve up to the budget (the CUDA context comes on top)
+        "memory_fraction": None if not device_total else min(1.0, budget / device_total),
+    }
+    child = run_child(request, timeout_s)
+    stats = dict(child.get("stats") or {})
+    total = (
+        stats["reserved_peak_bytes"] + stats["context_bytes"] if child["status"] == "ok" else None
+    )
+    check["status"] = child["status"]
+    check["error"] = child.get("error")
+    check["measured"] = {
+        **stats,
+        "total_bytes": total,
+        "fraction_of_budget": None if total is None else round(total / budget, 4),
+        "within_budget": None if total is None else total <= budget,
+        "timings": child.get("timings", {}),
+        "child_seconds": child.get("child_seconds"),
+    }
+    if child["status"] in ("error", "timeout"):
+        check["measured"]["stderr_tail"] = child.get("stderr_tail")
+        check["measured"]["traceback"] = child.get("traceback")
+
+
+def format_plan_check(check: Mapping[str, Any]) -> str:
+    head = f"  {Path(check['model']).name:<20} seq {check['seq_len']:>5}  budget {check['budget_bytes'] / GiB:>5.1f} GiB: "
+    if check["plan"] is None:
+        return head + f"{check['status']}: {check['error']}"
+    plan = check["plan"]
+    knobs = (
+        f"micro {plan['batch_size']} × {plan['accumulation_steps']}, {plan['precision']}, "
+        f"{'gc' if plan['gradient_checkpointing'] else 'no gc'}"
+    )
+    measured = check["measured"] or {}
+    if check["status"] == "ok":
+        fits = "fits" if measured["within_budget"] else "OVER BUDGET"
+        return (
+            head
+            + f"{knobs} → {_gib(measured['total_bytes'])} GiB = {measured['fraction_of_budget']:.0%} of the budget ({fits})"
+        )
+    return head + f"{knobs} → {check['status'].upper()} {check['error'] or ''}"
+
+
+def plan_check_list(models: set[str] | None) -> list[tuple[str, str, int, int]]:
+    return [
+        (model, task, seq_len, budget * GiB)
+        for budget in PLAN_BUDGETS_GIB
+        for model, task, seq_len in PLAN_MODELS
+        if models is None or model in models
+    ]
+
+
+# --- schema -------------------------------------------------------------------------------------------
+HEADER_KEYS = (
+    "timestamp",
+    "device",
+    "smoke",
+    "gpu",
+    "memfit_profile",
+    "software",
+    "git_commit",
+    "command",
+    "reproduce",
+)
+GPU_KEYS = ("name", "compute_capability", "total_memory_bytes", "driver_version")
+SOFTWARE_KEYS = ("python", "torch", "cuda", "transformers", "numpy", "memfit")
+CASE_KEYS = (
+    "model",
+    "task",
+    "batch_size",
+    "seq_len",
+    "precision",
+    "gradient_checkpointing",
+    "attn_implementation",
+    "mode",
+    "optimizer",
+    "loss",
+    "num_labels",
+    "device",
+)
+ROW_KEYS = (
+    "index",
+    "id",
+    "case",
+    "status",
+    "measured",
+    "estimated",
+    "estimate_error",
+    "error_pct",
+    "oom_predicted",
+)
+MEASURED_KEYS = (
+    "status",
+    "allocated_peak_bytes",
+    "reserved_peak_bytes",
+    "context_bytes",
+    "total_bytes",
+)
+ESTIMATED_KEYS = (
+    "total_bytes",
+    "allocated_peak_bytes",
+    "reserved_peak_bytes",
+    "context_bytes",
+    "breakdown",
+    "peak_phase",
+)
+STATUSES = ("ok", "oom", "error", "timeout")
+PLAN_CHECK_KEYS = (
+    "model",
+    "task",
+    "seq_len",
+    "budget_bytes",
+    "plan",
+    "status",
+    "measured",
+    "error",
+)
+
+
+def validate_run(doc: Mapping[str, Any]) -> list[str]:
+    """Problems with a run document (empty when it follows the schema)."""
+    from memfit.estimate import BREAKDOWN_KEYS
+
+    problems: list[str] = []
+
+    def need(obj: Any, keys: Sequence[str], where: str) -> bool:
+        """Record what ``obj`` lacks; True when it is an object with every key (safe to look inside)."""
+        if not isinstance(obj, Mapping):
+            problems.append(f"{where}: expected an object, got {type(obj).__name__}")
+            return False
+        missing = [k for k in keys if k not in obj]
+        problems.extend(f"{where}: missing {k!r}" for k in missing)
+        return not missing
+
+    def number(value: Any, where: str, *, optional: bool = True) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{where}: expected a number, got {value!r}")
+
+    need(doc, ("schema_version", "kind", "header", "rows", "plan_checks", "summary"), "run")
+    if doc.get("schema_version") != SCHEMA_VERSION or doc.get("kind") != RUN_KIND:
+        problems.append(f"run: not a {RUN_KIND} v{SCHEMA_VERSION} document")
+    header = doc.get("header", {})
+    if need(header, HEADER_KEYS, "header"):
+        need(header.get("software"), SOFTWARE_KEYS, "header.software")
+        if header.get("device") == "cuda":
+            need(header.get("gpu"), GPU_KEYS, "header.gpu")
+    for i, row in enumerate(doc.get("rows", [])):
+        where = f"rows[{i}]"
+        if not need(row, ROW_KEYS, where):
+            continue
+        if row["status"] not in STATUSES:
+            problems.append(f"{where}.status: unknown {row['status']!r}")
+        need(row["case"], CASE_KEYS, f"{where}.case")
+        if need(row["measured"], MEASURED_KEYS, f"{where}.measured"):
+            for key in MEASURED_KEYS[1:]:
+                number(row["measured"][key], f"{where}.measured.{key}")
+            if row["status"] == "ok":
+                number(
+                    row["measured"]["total_bytes"], f"{where}.measured.total_bytes", optional=False
+                )
+        if row["estimated"] is None:
+            if not row["estimate_error"]:
+                problems.append(f"{where}: neither an estimate nor an estimate_error")
+        elif need(row["estimated"], ESTIMATED_KEYS, f"{where}.estimated"):
+            number(
+                row["estimated"]["total_bytes"], f"{where}.estimated.total_bytes", optional=False
+            )
+            breakdown = row["estimated"]["breakdown"]
+            if not isinstance(breakdown, Mapping) or set(breakdown) != set(BREAKDOWN_KEYS):
+                problems.append(f"{where}.estimated.breakdown: keys are not {list(BREAKDOWN_KEYS)}")
+            elif sum(breakdown.values()) != row["estimated"]["total_bytes"]:
+                problems.append(f"{where}.estimated.breakdown: does not sum to total_bytes")
+        if need(row["error_pct"], ("total", "reserved", "allocated"), f"{where}.error_pct"):
+            for key in ("total", "reserved", "allocated"):
+                number(row["error_pct"][key], f"{where}.error_pct.{key}")
+    for i, check in enumerate(doc.get("plan_checks", [])):
+        need(check, PLAN_CHECK_KEYS, f"plan_checks[{i}]")
+    summary = doc.get("summary", {})
+    if need(
+        summary, ("cases_planned", "cases_run", "ok", "oom", "errors", "total_error_pct"), "summary"
+    ):
+        need(summary["total_error_pct"], ("n", "median_abs", "max_abs"), "summary.total_error_pct")
+        if summary["cases_run"] != len(doc.get("rows", [])):
+            problems.append("summary.cases_run: does not match the number of rows")
+    return problems
+
+
+# --- smoke: every code path on the CPU, in seconds ----------------------------------------------------
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-bert": (
+        "bert",
+        dict(
+            vocab_size=512,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        ),
+    ),
+    "tiny-gpt2": (
+        "gpt2",
+        dict(
+            vocab_size=512,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+}
+
+
+def write_tiny_models(folder: Path) -> dict[str, str]:
+    import transformers
+
+    paths = {}
+    for name, (model_type, kwargs) in TINY_CONFIGS.items():
+        transformers.AutoConfig.for_model(model_type, **kwargs).save_pretrained(folder / name)
+        paths[name] = str(folder / name)
+    return paths
+
+
+def check_case_lists() -> list[str]:
+    """The default and quick matrices are well formed (the smoke test builds them, never runs them)."""
+    from memfit.estimate import workload
+
+    problems = []
+    cases = build_cases()
+    if not 40 <= len(cases) <= 60:
+        problems.append(f"the default matrix has {len(cases)} cases (expected 40-60)")
+    for name, listed in (("default", cases), ("quick", list(QUICK_CASES))):
+        ids = [c.id for c in listed]
+        if len(set(ids)) != len(ids):
+            problems.append(f"the {name} matrix repeats a case")
+        for c in listed:
+            if (
+                c.task not in workload.TASKS
+                or c.precision not in workload.PRECISIONS
+                or c.mode not in workload.MODES
+            ):
+                problems.append(f"{c.id}: unknown knob")
+    return problems
+
+
+def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    started = time.perf_counter()
+    problems = check_case_lists()
+    print(
+        f"smoke: default matrix {len(build_cases())} cases, quick {len(QUICK_CASES)}, "
+        f"plan checks {len(plan_check_list(None))}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="memfit-gpu-validate-smoke-") as tmp:
+        models = write_tiny_models(Path(tmp))
+        cases = [
+            Case(models["tiny-bert"], CLS, 4, 32, "fp32", gradient_checkpointing=True),
+            Case(models["tiny-gpt2"], LM, 2, 32, "bf16", attn_implementation="eager"),
+        ]
+        header = collect_header(argv, "cpu", smoke=True, cases=cases)
+        path = run_path(Path(args.out) if args.out else Path(tmp) / "results", header)
+        print(f"reproduce: {header['reproduce']}", flush=True)
+        run = RunFile(path, header, len(cases))
+        run_cases(cases, "cpu", run, timeout_s=args.timeout, device_total=None)
+
+        planner, source = find_planner()
+        if planner is None:
+            print(f"plan check skipped: {source}", flush=True)
+        else:
+            print(
+                "plan check: memfit.plan found; the smoke test runs the plan check with a stub plan",
+                flush=True,
+            )
+
+        def stub_plan(model: str, **_: Any) -> dict[str, Any]:
+            return {
+                "config": {
+                    "micro_batch_size": 2,
+                    "gradient_accumulation_steps": 2,
+                    "precision": "fp32",
+                }
+            }
+
+        run_plan_checks(
+            stub_plan,
+            [(models["tiny-bert"], CLS, 32, 1 * GiB)],
+            "cpu",
+            run,
+            timeout_s=args.timeout,
+            device_total=None,
+        )
+        run.finish(seconds=round(time.perf_counter() - started, 1))
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        problems += validate_run(doc)
+        problems += [
+            f"{r['id']}: {r['status']} {r['measured'].get('error', '')}"
+            for r in doc["rows"]
+            if r["status"] != "ok"
+        ]
+        problems += [
+            f"{r['id']}: estimate error {r['estimate_error']}"
+            for r in doc["rows"]
+            if r["estimate_error"]
+        ]
+        problems += [
+            f"plan check: {c['status']} {c['error']}"
+            for c in doc["plan_checks"]
+            if c["status"] != "ok"
+        ]
+        print_summary(doc["summary"], path, header["reproduce"])
+    elapsed = time.perf_counter() - started
+    if problems:
+        print(f"smoke FAILED in {elapsed:.1f} s:", *problems, sep="\n  ", file=sys.stderr)
+        return 1
+    print(f"smoke ok in {elapsed:.1f} s")
+    return 0
+
+
+# --- main ---------------------------------------------------------------------------------------------
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/gpu_validate.py",
+        description="Compare memfit's CUDA estimates with real steps on this GPU (one child process per case).",
+    )
+    parser.add_argument(
+        "--models", type=_csv, action="extend", help="comma-separated models of the matrix"
+    )
+    parser.add_argument(
+        "--precisions", type=_csv, action="extend", help="comma-separated, default fp32,bf16"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{len(QUICK_CASES)} cases instead of the matrix"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"folder for the run's JSON (default {DEFAULT_OUT.relative_to(ROOT)})",
+    )
+    parser.add_argument(
+        "--plan-check", action="store_true", help="also run memfit.plan's choices under budgets"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per child process"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET_S,
+        help="start no case that would likely end after S seconds (default %(default).0f, "
+        "which keeps a run under 9 minutes; 0: no limit)",
+    )
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU-only self-test of every code path (CI)"
+    )
+    parser.add_argument(
+        "--case", default=None, help=argparse.SUPPRESS
+    )  # internal: run one case (child)
+    args = parser.parse_args(argv)
+    if args.precisions:
+        bad = [p for p in args.precisions if p not in ("fp32", "fp16", "bf16")]
+        if bad:
+            parser.error(f"--precisions: unknown {', '.join(bad)}; choose from fp32, fp16, bf16")
+    if args.limit is not None and args.limit < 0:
+        parser.error("--limit: must be ≥ 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = parse_args(argv)
+    if args.case is not None:
+        return child_main(json.loads(args.case))
+    if args.smoke:
+        return run_smoke(args, argv)
+
+    cases = select_cases(args)
+    if args.list:
+        for i, case in enumerate(cases):
+            print(f"{i + 1:>3} {case.id}")
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "no CUDA device: run this on a GPU machine (or --smoke for the CPU self-test)",
+            file=sys.stderr,
+        )
+        return 2
+    header = collect_header(argv, "cuda", smoke=False, cases=cases)
+    gpu = header["gpu"]
+    print(f"reproduce: {header['reproduce']}")
+    print(
+        f"{gpu['name']} (sm {gpu['compute_capability']}, {gpu['total_memory_bytes'] / GiB:.1f} GiB, driver "
+        f"{gpu['driver_version']}), torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+        f"{header['software']['transformers']}, memfit {header['software']['memfit']} @ {header['git_commit'] or '?'}"
+    )
+    print(
+        f"{len(cases)} cases, each in a fresh process; memfit profile: {header['memfit_profile']}",
+        flush=True,
+    )
+    path = run_path(Path(args.out) if args.out else DEFAULT_OUT, header)
+    run = RunFile(path, header, len(cases))
+    device_total = int(gpu["total_memory_bytes"])
+    started = time.perf_counter()
+    deadline = Deadline(args.time_budget)
+    run_cases(
+        cases, "cuda", run, timeout_s=args.timeout, device_total=device_total, deadline=deadline
+    )
+    if args.plan_check:
+        planner, source = find_planner()
+        if planner is None:
+            print(f"plan check skipped: {source}", flush=True)
+            run.finish(plan_check="skipped: " + source)
+        else:
+            checks = plan_check_list(_canonical_models(args.models))
+            run_plan_checks(
+                planner,
+                checks,
+                "cuda",
+                run,
+                timeout_s=args.timeout,
+                device_total=device_total,
+                deadline=deadline,
+            )
+    run.finish(seconds=round(time.perf_counter() - started, 1))
+    print_summary(run.doc["summary"], path, header["reproduce"])
+    summary = run.doc["summary"]
+    return 1 if summary["errors"] or summary["estimate_errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

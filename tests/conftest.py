@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny model folders built from configs (no download, no weights needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _save(config, path: Path) -> str:
+    config.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer BERT-shaped config folder."""
+    from transformers import BertConfig
+
+    config = BertConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    return _save(config, tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer GPT-2-shaped config folder with a large-ish vocabulary (the logits dominate)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=5000, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    return _save(config, tmp_path_factory.mktemp("tiny-gpt2"))

@@ -1,0 +1,104 @@
+"""The CPU estimate against a real CPU step measured from outside the process (within 5 %).
+
+Each case traces the step on fake tensors (``memfit.estimate.estimate(..., device="cpu")``) and
+runs the same step for real in a child process (``memfit.measure.measure_cpu_step``). Compared:
+what the step adds on top of the between-steps resident memory (gradients, activations, the
+batch, temporaries), i.e. ``total - parameters - buffers - optimizer_state - runtime_overhead``
+against ``VmHWM - VmRSS``. The full matrix is ``bench/estimate_cpu_truth.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MiB = 2**20
+TOLERANCE = 0.05
+RESIDENT_KEYS = ("parameters", "buffers", "optimizer_state", "runtime_overhead")
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.path.exists("/proc/self/clear_refs"),
+    reason="the measurement reads /proc/<pid>/clear_refs (Linux)",
+)
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bert-l4-h256": (
+        "bert",
+        dict(
+            vocab_size=30522,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=512,
+        ),
+    ),
+    "gpt2-l2-v50257": ("gpt2", dict(vocab_size=50257, n_embd=128, n_layer=2, n_head=2, n_positions=512)),
+    "minilm-l2": (
+        "bert",
+        dict(
+            vocab_size=30522,
+            hidden_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=12,
+            intermediate_size=1536,
+            max_position_embeddings=512,
+        ),
+    ),
+}
+
+# (config, task, batch, seq, knobs)
+CASES = [
+    pytest.param("bert-l4-h256", "classification", 8, 128, {}, id="bert-train"),
+    pytest.param("gpt2-l2-v50257", "causal-lm", 4, 64, {}, id="gpt2-vocab50257-train"),
+    pytest.param("minilm-l2", "sentence-embedding", 16, 64, {"loss": "mnrl"}, id="minilm-mnrl-train"),
+    pytest.param(
+        "bert-l4-h256",
+        "classification",
+        8,
+        128,
+        {"gradient_checkpointing": True, "attn_implementation": "eager"},
+        id="bert-checkpointing-eager",
+    ),
+    pytest.param("bert-l4-h256", "classification", 16, 128, {"mode": "eval"}, id="bert-eval"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import transformers
+
+    root = tmp_path_factory.mktemp("truth-configs")
+    paths = {}
+    for name, (model_type, kwargs) in CONFIGS.items():
+        path = Path(root) / name
+        transformers.AutoConfig.for_model(model_type, **kwargs).save_pretrained(path)
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize(("config", "task", "batch_size", "seq_len", "knobs"), CASES)
+def test_cpu_estimate_matches_measured_step(
+    model_dirs: dict[str, str], config: str, task: str, batch_size: int, seq_len: int, knobs: dict[str, Any]
+) -> None:
+    from memfit.estimate import estimate
+    from memfit.measure import measure_cpu_step
+
+    model = model_dirs[config]
+    kwargs = dict(knobs, task=task, batch_size=batch_size, seq_len=seq_len)
+    est = estimate(model, device="cpu", **kwargs)
+    estimated = est.total_bytes - sum(est.breakdown.get(k, 0) for k in RESIDENT_KEYS)
+    measured = measure_cpu_step(model, repeats=3, **kwargs)
+    error = (estimated - measured.above_baseline_bytes) / measured.above_baseline_bytes
+    summary = (
+        f"estimated {estimated / MiB:.2f} MiB, measured {measured.above_baseline_bytes / MiB:.2f} MiB "
+        f"(samples {[round(s / MiB, 2) for s in measured.samples]}), error {100 * error:+.2f} %, "
+        f"breakdown { {k: round(v / MiB, 2) for k, v in est.breakdown.items()} }, peak in {est.peak_phase}"
+    )
+    print(summary)
+    assert measured.spread <= 0.01, summary
+    assert abs(estimated - measured.above_baseline_bytes) <= TOLERANCE * measured.above_baseline_bytes, summary

@@ -1,0 +1,208 @@
+"""``bench/gpu_validate.py`` must not rot: its CPU smoke run, its case list, its JSON schema.
+
+The GPU validation itself runs only on a machine with CUDA (``@pytest.mark.gpu``, ``--quick``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_validate.py"
+
+
+@pytest.fixture(scope="module")
+def gv() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_validate"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def _only_json(folder: Path) -> dict[str, Any]:
+    files = sorted(folder.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text(encoding="utf-8"))
+
+
+def test_default_matrix_is_well_formed(gv: ModuleType) -> None:
+    cases = gv.build_cases()
+    assert 40 <= len(cases) <= 60
+    assert len({c.id for c in cases}) == len(cases)
+    assert gv.check_case_lists() == []
+    # round-robin order: the first cases already cover every model, both precisions, eager and eval
+    head = cases[:20]
+    assert {c.model for c in head} == {m.name for m in gv.MATRIX_MODELS}
+    assert {c.precision for c in head} == {"fp32", "bf16"}
+    assert any(c.attn_implementation == "eager" for c in head)
+    assert any(c.mode == "eval" for c in head)
+    assert any(c.gradient_checkpointing for c in head)
+
+
+def test_error_pct_and_summary(gv: ModuleType) -> None:
+    assert gv.error_pct(110, 100) == 10.0
+    assert gv.error_pct(90, 100) == -10.0
+    assert gv.error_pct(None, 100) is None
+    assert gv.error_pct(100, 0) is None
+    rows = [
+        {"id": "a", "status": "ok", "estimate_error": None, "measured": {"context_bytes": 5},
+         "error_pct": {"total": 2.0, "reserved": -4.0, "allocated": None}},
+        {"id": "b", "status": "ok", "estimate_error": None, "measured": {"context_bytes": 7},
+         "error_pct": {"total": -6.0, "reserved": 1.0, "allocated": None}},
+        {"id": "c", "status": "oom", "estimate_error": None, "oom_predicted": True, "measured": {"context_bytes": None},
+         "error_pct": {"total": None, "reserved": None, "allocated": None}},
+    ]  # fmt: skip
+    summary = gv.summarize(rows, planned=4)
+    assert summary["total_error_pct"]["median_abs"] == 4.0
+    assert summary["total_error_pct"]["max_abs"] == 6.0
+    assert summary["total_error_pct"]["worst"] == "b"
+    assert summary["total_error_pct"]["underestimates"] == 1
+    assert summary["allocated_error_pct"]["n"] == 0
+    assert (summary["oom"], summary["oom_predicted"], summary["cases_run"]) == (1, 1, 3)
+
+
+def test_plan_settings_reads_nested_plans(gv: ModuleType) -> None:
+    settings, assumed = gv.plan_settings(
+        {"config": {"micro_batch_size": 8, "precision": "bf16"}}, 64
+    )
+    assert settings["batch_size"] == 8
+    assert settings["accumulation_steps"] == 8  # inferred from the effective batch
+    assert settings["precision"] == "bf16"
+    assert "accumulation_steps" in assumed and "precision" not in assumed
+    with pytest.raises(ValueError):
+        gv.plan_settings({"nothing": 1}, 64)
+
+
+@pytest.mark.slow
+def test_smoke_runs_end_to_end(gv: ModuleType, tmp_path: Path) -> None:
+    done = _run("--smoke", "--out", str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "smoke ok" in done.stdout
+    doc = _only_json(tmp_path)
+    assert gv.validate_run(doc) == []
+    assert set(doc) == {"schema_version", "kind", "header", "rows", "plan_checks", "summary"}
+    assert doc["header"]["device"] == "cpu" and doc["header"]["smoke"] is True
+    assert {"timestamp", "software", "git_commit", "command", "reproduce", "gpu"} <= set(
+        doc["header"]
+    )
+    assert len(doc["rows"]) == 2
+    for row in doc["rows"]:
+        assert row["status"] == "ok"
+        assert {
+            "index",
+            "id",
+            "case",
+            "measured",
+            "estimated",
+            "estimate_error",
+            "error_pct",
+        } <= set(row)
+        assert {"total", "reserved", "allocated"} == set(row["error_pct"])
+        assert row["estimated"]["total_bytes"] > 0
+        assert {
+            "allocated_peak_bytes",
+            "reserved_peak_bytes",
+            "context_bytes",
+            "total_bytes",
+        } <= set(row["measured"])
+    assert len(doc["plan_checks"]) == 1 and doc["plan_checks"][0]["status"] == "ok"
+
+
+def test_validate_run_reports_problems(gv: ModuleType) -> None:
+    problems = gv.validate_run({"schema_version": 0, "rows": [{"id": "x"}]})
+    assert any("header" in p for p in problems)
+    assert any("rows[0]" in p for p in problems)
+
+
+FAKE_UUID = "GPU-12345678-abcd-4321-8765-0123456789ab"
+
+
+def test_device_probe_context_with_fake_nvidia_smi(
+    gv: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA bookkeeping of a child, with torch.cuda and nvidia-smi faked (no GPU needed)."""
+    import os
+
+    mib = 2**20
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        f'  --query-gpu=*) echo "0, {FAKE_UUID}, NVIDIA H100 80GB HBM3, 1024, 81559, 570.86.15" ;;\n'
+        f'  --query-compute-apps=*) echo "{os.getpid()}, {FAKE_UUID}, 2100"; echo "1, {FAKE_UUID}, 1024" ;;\n'
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    total = 80 * 1024 * mib
+    used = {"now": 1024 * mib}  # other processes, before this one touches the device
+    reserved = 1000 * mib
+
+    def mem_get_info() -> tuple[int, int]:
+        return total - used["now"], total
+
+    class Props:
+        uuid = FAKE_UUID.removeprefix("GPU-")
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "init", lambda: used.update(now=used["now"] + 500 * mib))
+    monkeypatch.setattr(cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(cuda, "get_device_properties", lambda device=None: Props())
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: 900 * mib)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda: reserved)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda: reserved)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda: 400 * mib)
+    monkeypatch.setattr(cuda, "memory_stats", lambda: {"num_alloc_retries": 0, "num_ooms": 0})
+
+    probe = gv.DeviceProbe("cuda")
+    assert probe.gpus_before[0]["used_bytes"] == 1024 * mib
+    probe.init()
+    assert probe.gpu is not None and probe.gpu["uuid"] == FAKE_UUID
+    used["now"] += (
+        100 * mib + reserved
+    )  # kernels loaded by the first steps, and the allocator's pool
+    stats = probe.final()
+    assert stats["context_bytes"] == 600 * mib
+    assert stats["context_method"].startswith("mem_get_info - reserved - used before")
+    assert stats["smi_process_used_bytes"] == 2100 * mib
+    assert stats["context_smi_bytes"] == 1100 * mib
+    assert stats["smi_other_processes_bytes"] == 1024 * mib
+    assert (stats["reserved_peak_bytes"], stats["allocated_peak_bytes"]) == (reserved, 900 * mib)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quick_on_gpu(gv: ModuleType, tmp_path: Path) -> None:
+    done = _run("--quick", "--out", str(tmp_path), timeout=900)
+    doc = _only_json(tmp_path)
+    assert gv.validate_run(doc) == [], done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert doc["header"]["gpu"]["total_memory_bytes"] > 0
+    for row in doc["rows"]:
+        assert row["status"] in ("ok", "oom"), row
+        if row["status"] == "ok":
+            assert row["measured"]["reserved_peak_bytes"] > 0
+            assert row["measured"]["context_bytes"] > 0
+            assert row["error_pct"]["total"] is not None
