@@ -22,7 +22,11 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import BertConfig
 
     config = BertConfig(
-        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
         max_position_embeddings=128,
     )
     return _save(config, tmp_path_factory.mktemp("tiny-bert"))

@@ -32,6 +32,7 @@ import ctypes
 import gc
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -64,22 +65,10 @@ def _settle(trim: Callable[[], None]) -> None:
 
 
 def _resolve_config(model: str) -> Any:
-    """The architecture config of ``model``: memfit's resolver, or a local config as a fallback."""
-    try:
-        from memfit.models import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        return resolve_model(model).config
-    # the resolver is not there (yet): accept a folder with config.json or a config.json path
-    if not os.path.exists(model):
-        raise FileNotFoundError(
-            f"cannot resolve model {model!r}: memfit.models.resolve_model is unavailable and "
-            "it is not a local folder or config.json"
-        )
-    from transformers import AutoConfig
+    """The architecture config of ``model``, resolved exactly as the estimator resolves it."""
+    from memfit.models import resolve_model
 
-    return AutoConfig.from_pretrained(model)
+    return resolve_model(model).config
 
 
 class _Step:
@@ -122,11 +111,18 @@ class _Step:
     def __call__(self) -> None:
         workload = self.workload
         # the input batch is part of what the step allocates (the estimator counts it as activations)
-        batch = workload.make_batch(self.config, self.spec, self.batch_size, self.seq_len, device="cpu")
+        batch = workload.make_batch(
+            self.config, self.spec, self.batch_size, self.seq_len, device="cpu"
+        )
         if self.train:
             assert self.optimizer is not None
             workload.training_step(
-                self.model, batch, self.spec, self.optimizer, scaler=self.scaler, autocast=self.autocast
+                self.model,
+                batch,
+                self.spec,
+                self.optimizer,
+                scaler=self.scaler,
+                autocast=self.autocast,
             )
         else:
             workload.eval_step(self.model, batch, self.spec, autocast=self.autocast)
@@ -151,6 +147,15 @@ class _Probe:
         del tensor
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so an interrupted benchmark leaves no child behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl
+            os._exit(1)
+
+
 def _send(channel: TextIO, line: str) -> None:
     channel.write(line + "\n")
     channel.flush()
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m memfit._measure_child '<request json>'", file=sys.stderr)
         return 2
+    _die_with_parent()
     request = json.loads(args[0])
     # the protocol gets the original stdout; anything printed from here on goes to stderr
     channel = os.fdopen(os.dup(1), "w", buffering=1)

@@ -37,7 +37,10 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
     ] = False,
 ) -> None:
     """Predict, plan and guard the memory of transformer fine-tuning."""
@@ -45,19 +48,35 @@ def _root(
 
 @app.command("estimate")
 def estimate_command(
-    model: Annotated[str, typer.Argument(help="Registry name, Hub id in the local cache, model folder or config.json.")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Registry name, Hub id in the local cache, model folder or config.json."
+        ),
+    ],
     task: Annotated[str, typer.Option(help="classification | causal-lm | sentence-embedding")],
     batch_size: Annotated[int, typer.Option(help="Samples per step (per micro-batch).")],
     seq_len: Annotated[int, typer.Option(help="Tokens per sample (padded length).")],
     num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
-    loss: Annotated[str | None, typer.Option(help="sentence-embedding: mnrl (default) | cosent | cosine | softmax")] = None,
-    precision: Annotated[str, typer.Option(help="fp32 | fp16 | bf16 (mixed precision: fp32 master weights).")] = "fp32",
+    loss: Annotated[
+        str | None,
+        typer.Option(help="sentence-embedding: mnrl (default) | cosent | cosine | softmax"),
+    ] = None,
+    precision: Annotated[
+        str, typer.Option(help="fp32 | fp16 | bf16 (mixed precision: fp32 master weights).")
+    ] = "fp32",
     optimizer: Annotated[str, typer.Option(help="adamw | adamw-8bit | adafactor | sgd")] = "adamw",
-    gradient_checkpointing: Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward.")] = False,
+    gradient_checkpointing: Annotated[
+        bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward.")
+    ] = False,
     attn_implementation: Annotated[str, typer.Option(help="sdpa | eager")] = "sdpa",
     mode: Annotated[str, typer.Option(help="train | eval")] = "train",
-    device: Annotated[str, typer.Option(help="cuda | cpu: the device whose memory to predict.")] = "cuda",
-    gpu_memory: Annotated[str | None, typer.Option(help="Budget to check against, e.g. 16GiB (2^30) or 16GB (10^9).")] = None,
+    device: Annotated[
+        str, typer.Option(help="cuda | cpu: the device whose memory to predict.")
+    ] = "cuda",
+    gpu_memory: Annotated[
+        str | None, typer.Option(help="Budget to check against, e.g. 16GiB (2^30) or 16GB (10^9).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Predict the peak memory of one steady-state training (or eval) step, offline."""
@@ -87,14 +106,22 @@ def estimate_command(
 
 
 @app.command("models")
-def models_command(as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False) -> None:
+def models_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
+) -> None:
     """List the models memfit knows offline (architecture configs only, no weights)."""
     from memfit.models import registry_names, resolve_model
 
     rows = []
     for name in registry_names():
         spec = resolve_model(name)
-        rows.append({"name": name, "model_type": spec.config.model_type, "max_positions": spec.max_positions})
+        rows.append(
+            {
+                "name": name,
+                "model_type": spec.config.model_type,
+                "max_positions": spec.max_positions,
+            }
+        )
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -108,14 +135,23 @@ def demo_command() -> None:
     from memfit.estimate import estimate
     from memfit.report.console import print_estimate
 
-    typer.echo("memfit demo: fine-tuning bert-base-uncased for classification, batch 32 × 128 tokens, AdamW, fp32")
-    typer.echo("$ memfit estimate bert-base-uncased --task classification --batch-size 32 --seq-len 128 --gpu-memory 16GiB")
+    typer.echo(
+        "memfit demo: fine-tuning bert-base-uncased for classification, batch 32 × 128 tokens, AdamW, fp32"
+    )
+    typer.echo(
+        "$ memfit estimate bert-base-uncased --task classification --batch-size 32 --seq-len 128 --gpu-memory 16GiB"
+    )
     result = estimate(
         "bert-base-uncased", task="classification", batch_size=32, seq_len=128, gpu_memory="16GiB"
     )
     print_estimate(result)
     bf16 = estimate(
-        "bert-base-uncased", task="classification", batch_size=32, seq_len=128, precision="bf16", gpu_memory="16GiB"
+        "bert-base-uncased",
+        task="classification",
+        batch_size=32,
+        seq_len=128,
+        precision="bf16",
+        gpu_memory="16GiB",
     )
     from memfit.units import format_bytes
 

@@ -276,19 +276,27 @@ def _line_reader(stream: IO[str]) -> queue.Queue[str | None]:
 
 
 def _expect(
-    lines: queue.Queue[str | None], proc: subprocess.Popen[str], stderr: IO[bytes], deadline: float, prefix: str
+    lines: queue.Queue[str | None],
+    proc: subprocess.Popen[str],
+    stderr: IO[bytes],
+    deadline: float,
+    prefix: str,
 ) -> str:
     try:
         line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
     except queue.Empty:
         proc.kill()
         proc.wait()
-        raise MeasurementError(_failure(f"timed out waiting for {prefix!r}", proc, stderr)) from None
+        raise MeasurementError(
+            _failure(f"timed out waiting for {prefix!r}", proc, stderr)
+        ) from None
     if line is None:
         proc.wait()
         raise MeasurementError(_failure(f"exited with code {proc.returncode}", proc, stderr))
     if not line.startswith(prefix):
-        raise MeasurementError(_failure(f"sent {line!r} where {prefix!r} was expected", proc, stderr))
+        raise MeasurementError(
+            _failure(f"sent {line!r} where {prefix!r} was expected", proc, stderr)
+        )
     return line
 
 
@@ -299,7 +307,9 @@ def _send(proc: subprocess.Popen[str], stderr: IO[bytes], line: str) -> None:
         proc.stdin.flush()
     except BrokenPipeError:
         proc.wait()
-        raise MeasurementError(_failure(f"exited with code {proc.returncode}", proc, stderr)) from None
+        raise MeasurementError(
+            _failure(f"exited with code {proc.returncode}", proc, stderr)
+        ) from None
 
 
 def _failure(what: str, proc: subprocess.Popen[str], stderr: IO[bytes]) -> str:
@@ -309,7 +319,9 @@ def _failure(what: str, proc: subprocess.Popen[str], stderr: IO[bytes]) -> str:
     start = max(0, size - 4 * STDERR_TAIL_CHARS)
     data = os.pread(fd, size - start, start)
     tail = data.decode("utf-8", "replace")[-STDERR_TAIL_CHARS:].rstrip()
-    return f"measurement child (pid {proc.pid}) {what}; its stderr ends with:\n{tail or '(nothing)'}"
+    return (
+        f"measurement child (pid {proc.pid}) {what}; its stderr ends with:\n{tail or '(nothing)'}"
+    )
 
 
 def _clear_peak(pid: int) -> None:

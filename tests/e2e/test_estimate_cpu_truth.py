@@ -37,7 +37,10 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=512,
         ),
     ),
-    "gpt2-l2-v50257": ("gpt2", dict(vocab_size=50257, n_embd=128, n_layer=2, n_head=2, n_positions=512)),
+    "gpt2-l2-v50257": (
+        "gpt2",
+        dict(vocab_size=50257, n_embd=128, n_layer=2, n_head=2, n_positions=512),
+    ),
     "minilm-l2": (
         "bert",
         dict(
@@ -55,7 +58,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 CASES = [
     pytest.param("bert-l4-h256", "classification", 8, 128, {}, id="bert-train"),
     pytest.param("gpt2-l2-v50257", "causal-lm", 4, 64, {}, id="gpt2-vocab50257-train"),
-    pytest.param("minilm-l2", "sentence-embedding", 16, 64, {"loss": "mnrl"}, id="minilm-mnrl-train"),
+    pytest.param(
+        "minilm-l2", "sentence-embedding", 16, 64, {"loss": "mnrl"}, id="minilm-mnrl-train"
+    ),
     pytest.param(
         "bert-l4-h256",
         "classification",
@@ -83,7 +88,12 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.mark.parametrize(("config", "task", "batch_size", "seq_len", "knobs"), CASES)
 def test_cpu_estimate_matches_measured_step(
-    model_dirs: dict[str, str], config: str, task: str, batch_size: int, seq_len: int, knobs: dict[str, Any]
+    model_dirs: dict[str, str],
+    config: str,
+    task: str,
+    batch_size: int,
+    seq_len: int,
+    knobs: dict[str, Any],
 ) -> None:
     from memfit.estimate import estimate
     from memfit.measure import measure_cpu_step
@@ -101,4 +111,6 @@ def test_cpu_estimate_matches_measured_step(
     )
     print(summary)
     assert measured.spread <= 0.01, summary
-    assert abs(estimated - measured.above_baseline_bytes) <= TOLERANCE * measured.above_baseline_bytes, summary
+    assert (
+        abs(estimated - measured.above_baseline_bytes) <= TOLERANCE * measured.above_baseline_bytes
+    ), summary

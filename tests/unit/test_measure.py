@@ -53,7 +53,9 @@ def test_failure_in_the_step_surfaces_with_the_child_stderr() -> None:
 
 def test_unknown_model_surfaces_as_measurement_error() -> None:
     with pytest.raises(MeasurementError, match="no-such-model-xyz"):
-        measure_cpu_step("no-such-model-xyz", task="classification", batch_size=1, seq_len=8, repeats=1)
+        measure_cpu_step(
+            "no-such-model-xyz", task="classification", batch_size=1, seq_len=8, repeats=1
+        )
 
 
 def test_repeats_must_be_positive() -> None:

@@ -11,12 +11,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from memfit.errors import UsageError
 from memfit.estimate import device as dev
 from memfit.estimate import workload
 from memfit.estimate.fit import FittedSegment, fit_trace, grid_shapes
-from memfit.estimate.trace import ALLOC, CAT, CATEGORIES, FREE, FREE_PREV, FREE_RES, MARK, PHASES, Segment, StepTrace, trace_steps
+from memfit.estimate.trace import (
+    ALLOC,
+    CAT,
+    CATEGORIES,
+    FREE,
+    FREE_PREV,
+    MARK,
+    PHASES,
+    Segment,
+    StepTrace,
+    trace_steps,
+)
 from memfit.estimate.workload import StepSpec
 from memfit.units import parse_size
 
@@ -84,12 +96,20 @@ def validate(
     choice("--attn-implementation", attn_implementation, workload.ATTN_IMPLEMENTATIONS)
     choice("--mode", mode, workload.MODES)
     choice("--device", device, workload.DEVICES)
-    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--num-labels", num_labels)):
+    for flag, value in (
+        ("--batch-size", batch_size),
+        ("--seq-len", seq_len),
+        ("--num-labels", num_labels),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
     resolved_loss = "cross-entropy"
     if task in workload.TASKS:
-        resolved_loss = workload.DEFAULT_LOSS[task] if loss is None else workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
+        resolved_loss = (
+            workload.DEFAULT_LOSS[task]
+            if loss is None
+            else workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
+        )
         if resolved_loss not in workload.LOSSES[task]:
             problems.append(
                 f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(workload.LOSSES[task])}"
@@ -241,7 +261,9 @@ class _Traced:
             return self
         if key not in self._variants:
             started = time.perf_counter()
-            check, grid, second = grid_shapes(self.max_positions, batch_size=1 if key[0] else None, aligned=key[1])
+            check, grid, second = grid_shapes(
+                self.max_positions, batch_size=1 if key[0] else None, aligned=key[1]
+            )
             trace = _run_trace(self.config, self.spec, [check, *grid, second])
             fitted = fit_trace(trace)
             self._variants[key] = _Traced(
@@ -287,7 +309,9 @@ def _identity_fit(trace: StepTrace) -> FittedSegment:
     n = len(template.sizes)
     coefficients = np.zeros((n, 1, 4))
     coefficients[:, 0, 0] = template.sizes
-    return FittedSegment(template, coefficients, np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64))
+    return FittedSegment(
+        template, coefficients, np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+    )
 
 
 _CACHE: dict[tuple[str, StepSpec], _Traced] = {}
@@ -317,38 +341,84 @@ def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
 
 def _run_trace(config: Any, spec: StepSpec, shapes: list[tuple[int, int]]) -> StepTrace:
     autocast, step_modes = _device_modes(spec)
-    return trace_steps(config, spec, shapes, autocast=autocast, step_modes=step_modes)
+    backward_modes = None
+    if spec.device == "cuda" and spec.precision != "fp32":
+        from memfit.estimate import cuda_emulation
+
+        dtype = workload.PRECISION_DTYPES[spec.precision]
+        # checkpointed recompute in backward re-enters autocast: the emulation must answer it
+        backward_modes = lambda: cuda_emulation.CudaAutocast(dtype, enabled=False)  # noqa: E731
+    return trace_steps(
+        config,
+        spec,
+        shapes,
+        autocast=autocast,
+        step_modes=step_modes,
+        backward_modes=backward_modes,
+    )
 
 
 def _device_modes(
     spec: StepSpec,
-) -> tuple[Callable[[], contextlib.AbstractContextManager[Any]] | None, Callable[[], contextlib.AbstractContextManager[Any]] | None]:
+) -> tuple[
+    Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    Callable[[], contextlib.AbstractContextManager[Any]] | None,
+]:
     """On CPU the fake CPU trace is the device; for CUDA, emulate its autocast and SDPA kernels."""
     if spec.device == "cpu":
         return None, None
     from memfit.estimate import cuda_emulation
 
-    autocast = None
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]]
     if spec.precision != "fp32":
         dtype = workload.PRECISION_DTYPES[spec.precision]
         autocast = lambda: cuda_emulation.CudaAutocast(dtype)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
-    return autocast, lambda: cuda_emulation.CudaSdpa()
+
+    def step_modes() -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(cuda_emulation.CudaSdpa())
+        # CUDA's dropout keeps a 1-byte bool mask for backward; the CPU kernel keeps a float one
+        stack.enter_context(_CudaDropout())
+        return stack
+
+    return autocast, step_modes
+
+
+class _CudaDropout(torch.overrides.TorchFunctionMode):
+    """``F.dropout`` in training as CUDA runs it: ``native_dropout``, whose saved mask is bool."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kwargs
+            p, training = bound.get("p", 0.5), bound.get("training", True)
+            if training and p > 0 and not bound.get("inplace", False):
+                return torch.native_dropout(bound["input"], p, True)[0]
+        return func(*args, **kwargs)
 
 
 # --- replay -------------------------------------------------------------------------------------------
-_PHASE_NAMES = {PHASES.index("setup"): "forward"} | {i: name for i, name in enumerate(PHASES) if name != "setup"}
+_PHASE_NAMES = {PHASES.index("setup"): "forward"} | {
+    i: name for i, name in enumerate(PHASES) if name != "setup"
+}
 
 
-def _replay(trace: StepTrace, fb: Segment, fb_sizes: list[int], spec: StepSpec, profile: dev.CudaProfile) -> _Peak:
-    optimizer_segments = (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
+def _replay(
+    trace: StepTrace, fb: Segment, fb_sizes: list[int], spec: StepSpec, profile: dev.CudaProfile
+) -> _Peak:
+    optimizer_segments = (
+        (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
+    )
     if spec.device == "cpu":
         return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec)
     return _replay_cuda(trace, fb, fb_sizes, optimizer_segments, spec, profile)
 
 
-def _replay_cpu(trace: StepTrace, fb: Segment, fb_sizes: list[int], opt: Segment | None, spec: StepSpec) -> _Peak:
+def _replay_cpu(
+    trace: StepTrace, fb: Segment, fb_sizes: list[int], opt: Segment | None, spec: StepSpec
+) -> _Peak:
     sizes = trace.resident_sizes
     cats = trace.resident_categories
     resident_ids = trace.steady if spec.mode == "train" else trace.initial
@@ -416,9 +486,15 @@ def _replay_cuda(
         allocator.malloc(profile.cublaslt_workspace_bytes)
 
     first_opt, steady_opt = optimizer_segments
-    state = {"phase": "forward", "best": -1, "raw": list(raw), "at": "forward"}
+    state: dict[str, Any] = {"phase": "forward", "best": -1, "raw": list(raw), "at": "forward"}
 
-    def run(seg: Segment, seg_sizes: list[int], prev: list[int] | None, globals_: list[int] | None, track: bool) -> list[int]:
+    def run(
+        seg: Segment,
+        seg_sizes: list[int],
+        prev: list[int] | None,
+        globals_: list[int] | None,
+        track: bool,
+    ) -> list[int]:
         local = [0] * len(seg_sizes)
         seg_cats = seg.categories
         for kind, ref in seg.events:
@@ -429,7 +505,11 @@ def _replay_cuda(
                 if globals_ is not None:
                     handles[globals_[ref]] = local[ref]
                 if track and allocator.allocated > state["best"]:
-                    state["best"], state["raw"], state["at"] = allocator.allocated, list(raw), state["phase"]
+                    state["best"], state["raw"], state["at"] = (
+                        allocator.allocated,
+                        list(raw),
+                        state["phase"],
+                    )
             elif kind == MARK:
                 state["phase"] = _PHASE_NAMES[ref]
             elif kind == FREE:
@@ -462,7 +542,9 @@ def _replay_cuda(
     breakdown["allocator_overhead"] = reserved - sum(best_raw) - workspace
     breakdown["runtime_overhead"] = profile.context_bytes + workspace
     total = reserved + profile.context_bytes
-    return _Peak(total, breakdown, str(state["at"]), allocator.max_allocated, reserved, profile.context_bytes)
+    return _Peak(
+        total, breakdown, str(state["at"]), allocator.max_allocated, reserved, profile.context_bytes
+    )
 
 
 def clear_cache() -> None:

@@ -63,7 +63,9 @@ class CachingAllocator:
     _next_address: int = 0
     _blocks: dict[int, _Block] = field(default_factory=dict)  # by start address
     _segment_end: dict[int, int] = field(default_factory=dict)  # segment start -> end address
-    _free: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(default_factory=lambda: ([], []))
+    _free: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(
+        default_factory=lambda: ([], [])
+    )
 
     def malloc(self, size: int) -> int:
         """Allocate ``size`` bytes; returns the block's address (its handle)."""
@@ -146,16 +148,22 @@ class CudaProfile:
     flash_attention: bool = True
 
 
-def cuda_profile(capability: tuple[int, int] | None = None, torch_version: str | None = None) -> CudaProfile:
+def cuda_profile(
+    capability: tuple[int, int] | None = None, torch_version: str | None = None
+) -> CudaProfile:
     """The profile for a compute capability (detected when a GPU is present)."""
     import torch
 
     if capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
-    version = tuple(int(x) for x in (torch_version or torch.__version__).split("+")[0].split(".")[:2])
+    version = tuple(
+        int(x) for x in (torch_version or torch.__version__).split("+")[0].split(".")[:2]
+    )
     lt = 0 if version >= (2, 12) else 1 * MiB
     if capability == (9, 0):
-        return CudaProfile(name="sm90", cublas_workspace_bytes=32 * MiB, cublaslt_workspace_bytes=lt)
+        return CudaProfile(
+            name="sm90", cublas_workspace_bytes=32 * MiB, cublaslt_workspace_bytes=lt
+        )
     name = f"sm{capability[0]}{capability[1]}" if capability else "generic sm80+"
     flash = capability is None or capability >= (8, 0)
     return CudaProfile(name=name, cublaslt_workspace_bytes=lt, flash_attention=flash)

@@ -26,7 +26,9 @@ class FittedSegment:
     coefficients: np.ndarray  # (n_allocs, max_rank, k): dim = coefficients · basis(B, S)
     ranks: np.ndarray  # (n_allocs,)
     itemsizes: np.ndarray  # (n_allocs,)
-    per_sequence_only: bool = False  # fitted at one batch size: basis (1, S) instead of (1, B, S, B·S)
+    per_sequence_only: bool = (
+        False  # fitted at one batch size: basis (1, S) instead of (1, B, S, B·S)
+    )
     # dims a kernel pads (CUDA's flash attention rounds the sequence up to 128, memory-efficient
     # attention its logsumexp to 32): round up to this multiple; 1 elsewhere
     multiples: np.ndarray | None = None
@@ -89,7 +91,7 @@ def fit_segments(grid: list[tuple[tuple[int, int], Segment]]) -> FittedSegment |
     Four shapes on a 2×2 grid fit the bilinear basis (1, B, S, B·S); two shapes of one batch size
     fit (1, S).
     """
-    (b0, s0), seg00 = grid[0]
+    _, seg00 = grid[0]
     signature = seg00.signature()
     if any(seg.signature() != signature for _, seg in grid[1:]):
         return None

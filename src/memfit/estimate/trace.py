@@ -76,7 +76,14 @@ class Segment:
         """What must agree between traces of different shapes for their sizes to be fitted."""
         ranks = tuple(len(shape) for shape in self.shapes)
         formulas = tuple(getattr(f, "__qualname__", None) for f in self.formulas)
-        return (tuple(self.events), tuple(self.categories), tuple(self.ops), ranks, tuple(self.itemsizes), formulas)
+        return (
+            tuple(self.events),
+            tuple(self.categories),
+            tuple(self.ops),
+            ranks,
+            tuple(self.itemsizes),
+            formulas,
+        )
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -160,8 +167,12 @@ def build_fake_model(config: Any, spec: StepSpec, fake_mode: FakeTensorMode) -> 
         model = model.to_empty(device="cpu")
     # to_empty replaces parameters one by one, which unties shared weights (GPT-2's lm_head)
     for module in model.modules():
-        if hasattr(module, "tie_weights") and isinstance(module, torch.nn.Module) and hasattr(module, "config"):
-            module.tie_weights()
+        if (
+            hasattr(module, "tie_weights")
+            and isinstance(module, torch.nn.Module)
+            and hasattr(module, "config")
+        ):
+            module.tie_weights()  # type: ignore[operator]
     return model
 
 
@@ -211,6 +222,7 @@ def trace_steps(
     optimizer_steps: int = 2,
     autocast: AutocastFactory | None = None,
     step_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    backward_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> StepTrace:
     """Trace one step per shape on fake tensors.
 
@@ -228,7 +240,11 @@ def trace_steps(
             recorder.register(p, "parameters")
         for b in model.buffers():
             recorder.register(b, "buffers")
-    parameter_bytes = sum(s for s, c in zip(recorder.sizes, recorder.categories, strict=True) if c == CAT["parameters"])
+    parameter_bytes = sum(
+        s
+        for s, c in zip(recorder.sizes, recorder.categories, strict=True)
+        if c == CAT["parameters"]
+    )
     train = spec.mode == "train"
     optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
     scaler = workload.make_scaler(spec, spec.device, fake=True)
@@ -254,12 +270,17 @@ def trace_steps(
                     assert optimizer is not None
                     with workload.phase(recorder, "forward"), autocast():
                         loss = workload.compute_loss(model, batch, spec)
-                    with workload.phase(recorder, "backward"):
+                    with (
+                        workload.phase(recorder, "backward"),
+                        (backward_modes or contextlib.nullcontext)(),
+                    ):
                         (scaler.scale(loss) if scaler is not None else loss).backward()
                         # the graph is gone once backward is done, as in a training loop
                         del loss
                     grad_ids = {
-                        i for p in params if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None
+                        i
+                        for p in params
+                        if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None
                     }
                     recorder.set_phase("optimizer_step")
                     if index < optimizer_steps:
@@ -277,7 +298,14 @@ def trace_steps(
             opt = None
             if train and index < optimizer_steps:
                 opt, opt_local = _segment(
-                    recorder, mid, len(recorder.events), resident, grad_ids, state_ids, train=train, previous=local
+                    recorder,
+                    mid,
+                    len(recorder.events),
+                    resident,
+                    grad_ids,
+                    state_ids,
+                    train=train,
+                    previous=local,
                 )
                 if index == 0:
                     first_optimizer_globals = sorted(opt_local, key=opt_local.__getitem__)
@@ -298,7 +326,9 @@ def trace_steps(
     )
 
 
-def _optimizer_state_ids(optimizer: torch.optim.Optimizer | None, recorder: StorageRecorder) -> set[int]:
+def _optimizer_state_ids(
+    optimizer: torch.optim.Optimizer | None, recorder: StorageRecorder
+) -> set[int]:
     if optimizer is None:
         return set()
     ids = set()

@@ -28,7 +28,11 @@ LOSSES = {
     # SoftmaxLoss. mnrl is the default for (anchor, positive) pairs.
     "sentence-embedding": ("mnrl", "cosent", "cosine", "softmax"),
 }
-DEFAULT_LOSS = {"classification": "cross-entropy", "causal-lm": "cross-entropy", "sentence-embedding": "mnrl"}
+DEFAULT_LOSS = {
+    "classification": "cross-entropy",
+    "causal-lm": "cross-entropy",
+    "sentence-embedding": "mnrl",
+}
 LOSS_ALIASES = {
     "multiplenegativesrankingloss": "mnrl",
     "multiple-negatives-ranking": "mnrl",
@@ -69,7 +73,8 @@ class BiEncoder(nn.Module):
     def __init__(self, transformer: nn.Module, num_labels: int, with_classifier: bool) -> None:
         super().__init__()
         self.transformer = transformer
-        hidden = int(transformer.config.hidden_size)
+        config: Any = transformer.config
+        hidden = int(config.hidden_size)
         # SoftmaxLoss trains a classifier on (u, v, |u - v|), as sentence-transformers does
         self.classifier = nn.Linear(3 * hidden, num_labels) if with_classifier else None
 
@@ -101,9 +106,13 @@ def build_model(config: Any, spec: StepSpec) -> nn.Module:
         # non-reentrant checkpointing: what PyTorch recommends and what memfit train uses
         # (newer transformers renamed the method; older versions only have the first name)
         if hasattr(target, "activation_checkpointing_enable"):
-            target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            target.activation_checkpointing_enable(  # type: ignore[operator]
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
-            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            target.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     model.train(spec.mode == "train")
     return model
 
@@ -122,7 +131,9 @@ def _task_config(config: Any, spec: StepSpec) -> Any:
     return config
 
 
-def make_batch(config: Any, spec: StepSpec, batch_size: int, seq_len: int, device: Any = "cpu") -> dict[str, Any]:
+def make_batch(
+    config: Any, spec: StepSpec, batch_size: int, seq_len: int, device: Any = "cpu"
+) -> dict[str, Any]:
     """A batch of random tokens with no padding (the worst case for a given length)."""
     vocab = int(config.vocab_size)
 
@@ -167,7 +178,7 @@ class Int8AdamStateModel(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> None:
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -188,7 +199,9 @@ class Int8AdamStateModel(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
-def make_optimizer(name: str, model: nn.Module, device_type: str, *, lr: float = 1e-5) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, model: nn.Module, device_type: str, *, lr: float = 1e-5
+) -> torch.optim.Optimizer:
     """The optimizer as the target device runs it by default.
 
     torch picks the foreach (multi-tensor) implementation on CUDA and the for-loop one on the CPU;
@@ -204,7 +217,9 @@ def make_optimizer(name: str, model: nn.Module, device_type: str, *, lr: float =
         from transformers.optimization import Adafactor
 
         # the settings HF Trainer uses for optim="adafactor"
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+        return Adafactor(
+            params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
+        )
     if name == "adamw-8bit":
         if device_type == "cuda" and torch.cuda.is_available() and _fake_mode_inactive():
             try:
@@ -234,7 +249,11 @@ def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> tor
 
 
 def sentence_loss(
-    model: nn.Module, anchor: torch.Tensor, positive: torch.Tensor, labels: torch.Tensor | None, loss: str
+    model: nn.Module,
+    anchor: torch.Tensor,
+    positive: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss: str,
 ) -> torch.Tensor:
     """The sentence-transformers losses on (anchor, positive) embeddings."""
     if loss == "mnrl":
@@ -250,11 +269,13 @@ def sentence_loss(
         cos = nn.functional.cosine_similarity(anchor, positive) * COSENT_SCALE
         diff = cos[:, None] - cos[None, :]
         diff = diff - (labels[:, None] < labels[None, :]).to(diff.dtype) * 1e12
-        diff = torch.cat((torch.zeros(1, device=diff.device, dtype=diff.dtype), diff.view(-1)), dim=0)
+        diff = torch.cat(
+            (torch.zeros(1, device=diff.device, dtype=diff.dtype), diff.view(-1)), dim=0
+        )
         return torch.logsumexp(diff, dim=0)
     if loss == "softmax":
         features = torch.cat([anchor, positive, (anchor - positive).abs()], dim=1)
-        classifier = model.classifier  # type: ignore[union-attr]
+        classifier: Any = model.classifier
         return nn.functional.cross_entropy(classifier(features), labels)
     raise ValueError(f"unknown loss {loss!r}")
 
@@ -265,7 +286,9 @@ def _cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a_norm @ b_norm.transpose(0, 1)
 
 
-def default_autocast(spec: StepSpec, device_type: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+def default_autocast(
+    spec: StepSpec, device_type: str
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """Real autocast for the device the step runs on (fp32: no autocast)."""
     if spec.precision == "fp32":
         return contextlib.nullcontext

@@ -40,7 +40,9 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
     for key, value in estimate.breakdown.items():
         share = value / estimate.total_bytes * 100 if estimate.total_bytes else 0.0
         table.add_row(_LABELS.get(key, key), format_bytes(value), f"{share:.1f} %")
-    table.add_row("[bold]peak[/bold]", f"[bold]{format_bytes(estimate.total_bytes)}[/bold]", "100.0 %")
+    table.add_row(
+        "[bold]peak[/bold]", f"[bold]{format_bytes(estimate.total_bytes)}[/bold]", "100.0 %"
+    )
     console.print(table)
     console.print(
         f"Peak in the {estimate.peak_phase.replace('_', ' ')} phase; the biggest part is "

@@ -12,7 +12,9 @@ BERT_BASE_2_LABELS = 109_483_778
 
 @pytest.fixture(scope="module")
 def bert_base_cpu():
-    return estimate("bert-base-uncased", task="classification", batch_size=8, seq_len=128, device="cpu")
+    return estimate(
+        "bert-base-uncased", task="classification", batch_size=8, seq_len=128, device="cpu"
+    )
 
 
 def test_bert_base_parameters_and_adamw_state_are_exact(bert_base_cpu) -> None:
@@ -35,8 +37,22 @@ def test_breakdown_sums_to_total_and_has_the_contract_keys(bert_base_cpu) -> Non
 
 
 def test_budget_verdict() -> None:
-    small = estimate("bert-base-uncased", task="classification", batch_size=8, seq_len=128, device="cpu", gpu_memory="1GiB")
-    big = estimate("bert-base-uncased", task="classification", batch_size=8, seq_len=128, device="cpu", gpu_memory=2**40)
+    small = estimate(
+        "bert-base-uncased",
+        task="classification",
+        batch_size=8,
+        seq_len=128,
+        device="cpu",
+        gpu_memory="1GiB",
+    )
+    big = estimate(
+        "bert-base-uncased",
+        task="classification",
+        batch_size=8,
+        seq_len=128,
+        device="cpu",
+        gpu_memory=2**40,
+    )
     assert small.budget_bytes == 2**30 and small.fits is False
     assert big.fits is True
 
@@ -52,7 +68,14 @@ def test_activations_grow_with_batch_and_sequence(tiny_bert: str) -> None:
 
 def test_gradient_checkpointing_saves_activations(tiny_bert: str) -> None:
     plain = estimate(tiny_bert, task="classification", batch_size=16, seq_len=128, device="cpu")
-    ckpt = estimate(tiny_bert, task="classification", batch_size=16, seq_len=128, device="cpu", gradient_checkpointing=True)
+    ckpt = estimate(
+        tiny_bert,
+        task="classification",
+        batch_size=16,
+        seq_len=128,
+        device="cpu",
+        gradient_checkpointing=True,
+    )
     assert ckpt.breakdown["activations"] < plain.breakdown["activations"]
 
 
@@ -103,7 +126,9 @@ def test_bad_input_is_one_clear_error(kwargs: dict, message: str) -> None:
 
 def test_every_problem_reported_at_once() -> None:
     with pytest.raises(UsageError, match=r"--precision.*--batch-size.*unknown model"):
-        estimate("no-such-model-xyz", task="classification", batch_size=0, seq_len=8, precision="fp8")
+        estimate(
+            "no-such-model-xyz", task="classification", batch_size=0, seq_len=8, precision="fp8"
+        )
 
 
 def test_config_json_that_is_not_one(tmp_path) -> None:

@@ -21,7 +21,9 @@ from memfit.models import resolve_model
         ("tiny_gpt2", StepSpec(task="causal-lm", device="cpu", mode="eval")),
     ],
 )
-def test_fit_matches_a_direct_trace(request: pytest.FixtureRequest, fixture: str, spec: StepSpec) -> None:
+def test_fit_matches_a_direct_trace(
+    request: pytest.FixtureRequest, fixture: str, spec: StepSpec
+) -> None:
     model = resolve_model(request.getfixturevalue(fixture))
     check, grid, second = grid_shapes(model.max_positions)
     fitted = fit_trace(trace_steps(model.config, spec, [check, *grid, second]))
