@@ -56,15 +56,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # (config, task, batch, seq, knobs)
 CASES = [
-    pytest.param("bert-l4-h256", "classification", 8, 128, {}, id="bert-train"),
+    pytest.param("bert-l4-h256", "classification", 4, 128, {}, id="bert-train"),
     pytest.param("gpt2-l2-v50257", "causal-lm", 4, 64, {}, id="gpt2-vocab50257-train"),
     pytest.param(
-        "minilm-l2", "sentence-embedding", 16, 64, {"loss": "mnrl"}, id="minilm-mnrl-train"
+        "minilm-l2", "sentence-embedding", 8, 32, {"loss": "mnrl"}, id="minilm-mnrl-train"
     ),
     pytest.param(
         "bert-l4-h256",
         "classification",
-        8,
+        4,
         128,
         {"gradient_checkpointing": True, "attn_implementation": "eager"},
         id="bert-checkpointing-eager",
