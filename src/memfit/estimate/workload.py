@@ -134,14 +134,20 @@ def _task_config(config: Any, spec: StepSpec) -> Any:
 def make_batch(
     config: Any, spec: StepSpec, batch_size: int, seq_len: int, device: Any = "cpu"
 ) -> dict[str, Any]:
-    """A batch of random tokens with no padding (the worst case for a given length)."""
+    """A batch of random tokens at the full length, with a single padding token (see ``mask``)."""
     vocab = int(config.vocab_size)
 
     def tokens() -> torch.Tensor:
         return torch.randint(0, vocab, (batch_size, seq_len), device=device)
 
     def mask() -> torch.Tensor:
-        return torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
+        attention_mask = torch.ones(batch_size, seq_len, dtype=torch.long, device=device)
+        if seq_len > 1:
+            # one padding token, as nearly every padded training batch has: transformers skips
+            # building the attention mask for an all-ones mask on real tensors (it cannot tell on
+            # fake ones), so the real run and the trace both build it
+            attention_mask[-1, -1] = 0
+        return attention_mask
 
     if spec.task == "classification":
         return {
