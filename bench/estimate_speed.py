@@ -7,12 +7,15 @@ for batch sizes and sequence lengths never traced, in one process, on this machi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# the first trace is what this measures: never read it from the disk cache
+os.environ["MEMFIT_NO_CACHE"] = "1"
 
 from memfit.estimate import clear_cache, estimate
 

@@ -1062,6 +1062,7 @@ PLAN_FIELDS: dict[str, tuple[str, ...]] = {
     "optimizer": ("optimizer",),
     "attn_implementation": ("attn_implementation",),
     "predicted_total_bytes": (
+        "predicted_peak_bytes",
         "total_bytes",
         "predicted_total_bytes",
         "predicted_bytes",
@@ -1214,7 +1215,12 @@ def ask_plan(
             effective_batch_size=PLAN_EFFECTIVE_BATCH,
             gpu_memory=budget,
         )
-        settings, check["assumed"] = plan_settings(plan, PLAN_EFFECTIVE_BATCH)
+        as_dict = plan.to_dict() if callable(getattr(plan, "to_dict", None)) else plan
+        if isinstance(as_dict, Mapping) and as_dict.get("fits") is False:
+            # memfit.plan answers "nothing fits" with a plan object, not an exception
+            check.update(status="nothing-fits", error="; ".join(as_dict.get("suggestions", [])))
+            return check
+        settings, check["assumed"] = plan_settings(as_dict, PLAN_EFFECTIVE_BATCH)
         check["plan"] = {**settings, "repr": _brief(plan)}
     except NothingFitsError as exc:
         check.update(status="nothing-fits", error=str(exc))

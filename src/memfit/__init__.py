@@ -14,4 +14,11 @@ def estimate(model: str, **kwargs: Any) -> Any:
     return _estimate(model, **kwargs)
 
 
-__all__ = ["__version__", "estimate"]
+def plan(model: str, **kwargs: Any) -> Any:
+    """Fit a fine-tuning job into a memory budget; see :func:`memfit.plan.plan`."""
+    from memfit.plan import plan as _plan
+
+    return _plan(model, **kwargs)
+
+
+__all__ = ["__version__", "estimate", "plan"]

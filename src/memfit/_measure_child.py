@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -93,8 +94,17 @@ class _Step:
             device="cpu",
             num_labels=int(request.get("num_labels", 2)),
             loss=loss,
+            lora_rank=int(request.get("lora_rank") or 0),
         )
         self.batch_size = int(request["batch_size"])
+        if loss == "cached-mnrl":
+            # the workload's batch is ``cached_chunks`` mini-batches of ``batch_size`` rows
+            mini = int(request.get("mini_batch_size") or workload.DEFAULT_MINI_BATCH_SIZE)
+            mini = min(mini, self.batch_size)
+            if self.batch_size % mini:
+                raise ValueError("the measured cached loss needs whole mini-batches")
+            self.spec = dataclasses.replace(self.spec, cached_chunks=self.batch_size // mini)
+            self.batch_size = mini
         self.seq_len = int(request["seq_len"])
         torch.manual_seed(SEED)
         self.config = _resolve_config(request["model"])

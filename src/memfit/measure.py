@@ -184,6 +184,8 @@ def measure_cpu_step(
     mode: str = "train",
     num_labels: int = 2,
     loss: str | None = None,
+    lora_rank: int = 0,
+    mini_batch_size: int | None = None,
     repeats: int = 3,
     threads: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
@@ -207,6 +209,8 @@ def measure_cpu_step(
         "mode": mode,
         "num_labels": int(num_labels),
         "loss": loss,
+        "lora_rank": int(lora_rank),
+        "mini_batch_size": mini_batch_size,
     }
     return run_measurement(request, repeats=repeats, threads=threads, timeout=timeout)
 

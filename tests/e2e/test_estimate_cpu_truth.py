@@ -73,6 +73,17 @@ CASES = [
         id="bert-checkpointing-eager-sgd",
     ),
     pytest.param("bert-l4-h256", "classification", 32, 128, {"mode": "eval"}, id="bert-eval"),
+    # gradient caching: four mini-batches of 8, traced as two, the other rows added exactly
+    pytest.param(
+        "minilm-l2",
+        "sentence-embedding",
+        32,
+        128,
+        {"loss": "cached-mnrl", "mini_batch_size": 8},
+        id="minilm-cached-mnrl-train",
+    ),
+    # LoRA via peft: frozen base, no base gradients or optimizer state
+    pytest.param("bert-l4-h256", "classification", 8, 128, {"lora_rank": 8}, id="bert-lora"),
 ]
 
 

@@ -82,6 +82,10 @@ def validate(
     device: str,
     num_labels: Any,
     loss: str | None,
+    mini_batch_size: Any = None,
+    lora_rank: Any = None,
+    max_seq_len: Any = None,
+    world_size: Any = 1,
 ) -> tuple[StepSpec, list[str]]:
     """Check every knob at once; return the spec and the list of problems (empty when fine)."""
     problems: list[str] = []
@@ -101,8 +105,17 @@ def validate(
         ("--seq-len", seq_len),
         ("--num-labels", num_labels),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _whole(value):
             problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
+    for flag, value in (
+        ("--mini-batch-size", mini_batch_size),
+        ("--max-seq-len", max_seq_len),
+        ("--world-size", world_size),
+    ):
+        if value is not None and not _whole(value):
+            problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
+    if lora_rank is not None and (not _whole(lora_rank, minimum=0)):
+        problems.append(f"--lora-rank: must be a whole number ≥ 0, got {lora_rank!r}")
     resolved_loss = "cross-entropy"
     if task in workload.TASKS:
         resolved_loss = (
@@ -114,6 +127,8 @@ def validate(
             problems.append(
                 f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(workload.LOSSES[task])}"
             )
+    if mini_batch_size is not None and resolved_loss != "cached-mnrl":
+        problems.append("--mini-batch-size: only the cached loss (--loss cached-mnrl) has one")
     spec = StepSpec(
         task=task,
         precision=precision,
@@ -124,8 +139,13 @@ def validate(
         device=device,
         num_labels=num_labels if isinstance(num_labels, int) else 2,
         loss=resolved_loss,
+        lora_rank=lora_rank if _whole(lora_rank, minimum=0) else 0,
     )
     return spec, problems
+
+
+def _whole(value: Any, minimum: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def estimate(
@@ -143,11 +163,23 @@ def estimate(
     gpu_memory: int | str | None = None,
     num_labels: int = 2,
     loss: str | None = None,
+    mini_batch_size: int | None = None,
+    lora_rank: int | None = None,
+    max_seq_len: int | None = None,
+    world_size: int = 1,
+    gpu: str | None = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
     Traces the real transformers model code on fake tensors the first time a model and set of
     knobs is seen (seconds), then answers other batch sizes and sequence lengths in milliseconds.
+
+    The knobs a plan chooses are all here: ``loss="cached-mnrl"`` with ``mini_batch_size`` (the
+    gradient-cached in-batch-negatives loss; ``batch_size`` is then the whole batch),
+    ``lora_rank`` (LoRA adapters via peft; 0 or None: full fine-tuning), ``max_seq_len``
+    (truncation: sequences are cut to it) and ``world_size`` (data-parallel ranks: memory is per
+    rank, with DDP's gradient buckets). ``gpu`` names a catalog GPU (see ``memfit plan --gpu``):
+    its generation's cuBLAS workspace, and its memory as the budget unless ``gpu_memory`` is given.
     """
     from memfit.models import resolve_model
 
@@ -162,6 +194,10 @@ def estimate(
         device=device,
         num_labels=num_labels,
         loss=loss,
+        mini_batch_size=mini_batch_size,
+        lora_rank=lora_rank,
+        max_seq_len=max_seq_len,
+        world_size=world_size,
     )
     budget = None
     if gpu_memory is not None:
@@ -169,11 +205,24 @@ def estimate(
             budget = parse_size(gpu_memory, name="--gpu-memory")
         except UsageError as exc:
             problems.append(str(exc))
+    profile = None
+    if gpu is not None:
+        from memfit.plan.catalog import find_gpu
+
+        try:
+            card = find_gpu(gpu)
+            profile = dev.cuda_profile(card.compute_capability)
+            if budget is None:
+                budget = card.memory_bytes
+        except UsageError as exc:
+            problems.append(str(exc))
     model_spec = None
     try:
         model_spec = resolve_model(model)
     except UsageError as exc:
         problems.append(str(exc))
+    if isinstance(seq_len, int) and isinstance(max_seq_len, int):
+        seq_len = min(seq_len, max_seq_len)
     if model_spec is not None and isinstance(seq_len, int) and seq_len > model_spec.max_positions:
         problems.append(
             f"--seq-len: {seq_len} is beyond the {model_spec.max_positions} positions {model_spec.name} can use; "
@@ -185,19 +234,40 @@ def estimate(
     spec = StepSpec(**{**spec.__dict__, "gradient_checkpointing": bool(gradient_checkpointing)})
 
     started = time.perf_counter()
+    traced_batch = batch_size
+    extra_rows = 0
+    if spec.loss == "cached-mnrl":
+        mini = min(mini_batch_size or workload.DEFAULT_MINI_BATCH_SIZE, batch_size)
+        chunks = -(-batch_size // mini)
+        # traced with two mini-batches (one when the batch is one): the embeddings and cached
+        # gradients of the other rows are added exactly below
+        spec = dataclasses.replace(spec, cached_chunks=min(chunks, 2))
+        traced_batch = mini
+        extra_rows = batch_size - mini * spec.cached_chunks
     traced = _traced(model_spec, spec)
-    peak = traced.replay(batch_size, seq_len)
+    peak = traced.replay(traced_batch, seq_len, world_size=world_size or 1, profile=profile)
+    if extra_rows and peak.phase != "optimizer_step":
+        peak = _with_cached_rows(peak, extra_rows, model_spec.config, spec)
     total = peak.total_bytes
     details: dict[str, Any] = {
         "num_parameters": traced.trace.num_parameters,
+        "trainable_parameters": traced.trace.trainable_parameters,
+        "effective_seq_len": seq_len,
+        "world_size": world_size or 1,
         "allocated_peak_bytes": peak.allocated_peak_bytes,
         "reserved_peak_bytes": peak.reserved_peak_bytes,
         "context_bytes": peak.context_bytes,
-        "device_profile": traced.profile.name if spec.device == "cuda" else "cpu",
-        "method": traced._variant(batch_size, seq_len).method,
+        "device_profile": (profile or traced.profile).name if spec.device == "cuda" else "cpu",
+        "method": traced._variant(traced_batch, seq_len).method,
         "trace_seconds": round(traced.trace_seconds, 3),
         "estimate_seconds": round(time.perf_counter() - started, 4),
     }
+    if traced.changed():
+        save_traces()
+    if spec.loss == "cached-mnrl":
+        details["mini_batch_size"] = traced_batch
+    if spec.lora_rank:
+        details["lora_rank"] = spec.lora_rank
     return Estimate(
         total_bytes=total,
         breakdown=peak.breakdown,
@@ -238,15 +308,40 @@ class _Traced:
     variant_key: tuple[bool, bool] | None = None
     _exact: dict[tuple[int, int], _Traced] = field(default_factory=dict)
     _variants: dict[tuple[bool, bool], _Traced] = field(default_factory=dict)
+    _dirty: bool = True  # traced (or extended) since the disk cache last saw it
 
-    def replay(self, batch_size: int, seq_len: int) -> _Peak:
+    def changed(self) -> bool:
+        """True when this trace or a variant of it is newer than the disk cache's copy."""
+        nested = [*self._variants.values(), *self._exact.values()]
+        return self._dirty or any(t.changed() for t in nested)
+
+    def mark_saved(self) -> None:
+        self._dirty = False
+        for t in [*self._variants.values(), *self._exact.values()]:
+            t.mark_saved()
+
+    def replay(
+        self,
+        batch_size: int,
+        seq_len: int,
+        world_size: int = 1,
+        profile: dev.CudaProfile | None = None,
+    ) -> _Peak:
         variant = self._variant(batch_size, seq_len)
         if variant is not self:
-            return variant.replay(batch_size, seq_len)
+            return variant.replay(batch_size, seq_len, world_size, profile)
         if self.fitted is None:
-            return self._exact_trace(batch_size, seq_len).replay(batch_size, seq_len)
+            exact = self._exact_trace(batch_size, seq_len)
+            return exact.replay(batch_size, seq_len, world_size, profile)
         fb_sizes = self.fitted.sizes(batch_size, seq_len).tolist()
-        return _replay(self.trace, self.fitted.template, fb_sizes, self.spec, self.profile)
+        return _replay(
+            self.trace,
+            self.fitted.template,
+            fb_sizes,
+            self.spec,
+            profile or self.profile,
+            world_size,
+        )
 
     def _variant(self, batch_size: int, seq_len: int) -> _Traced:
         """The fit that covers this shape: a batch of one, and misaligned lengths, have their own.
@@ -266,6 +361,7 @@ class _Traced:
             )
             trace = _run_trace(self.config, self.spec, [check, *grid, second])
             fitted = fit_trace(trace)
+            self._dirty = True
             self._variants[key] = _Traced(
                 self.config,
                 self.spec,
@@ -298,6 +394,7 @@ class _Traced:
             )
             exact.fitted = _identity_fit(trace)
             self._exact[key] = exact
+            self._dirty = True
         return self._exact[key]
 
 
@@ -318,9 +415,88 @@ _CACHE: dict[tuple[str, StepSpec], _Traced] = {}
 _LOCK = threading.Lock()
 
 
+def _disk_path(key: tuple[str, StepSpec]) -> Any:
+    """Where a trace is kept between processes; None when the disk cache is off.
+
+    The file name hashes the model's config, the knobs, the torch and transformers versions and
+    memfit's own estimator source, so a changed model, library or estimator never reads a stale
+    trace. ``MEMFIT_CACHE_DIR`` moves the cache (default ``~/.cache/memfit``);
+    ``MEMFIT_NO_CACHE=1`` turns it off.
+    """
+    import hashlib
+    import os
+    from pathlib import Path
+
+    import transformers
+
+    if os.environ.get("MEMFIT_NO_CACHE", "") not in ("", "0"):
+        return None
+    root = Path(os.environ.get("MEMFIT_CACHE_DIR") or Path.home() / ".cache" / "memfit")
+    digest = hashlib.sha256(
+        repr((key, torch.__version__, transformers.__version__, _source_digest())).encode()
+    ).hexdigest()[:32]
+    return root / "traces" / f"{digest}.pkl"
+
+
+_SOURCE_DIGEST: list[str] = []
+
+
+def _source_digest() -> str:
+    import hashlib
+    from pathlib import Path
+
+    if not _SOURCE_DIGEST:
+        h = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(path.read_bytes())
+        _SOURCE_DIGEST.append(h.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+def _disk_load(key: tuple[str, StepSpec]) -> _Traced | None:
+    import pickle
+
+    path = _disk_path(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        # only files memfit wrote itself, in its own cache folder, are ever read back
+        with path.open("rb") as handle:
+            traced = pickle.load(handle)
+    except Exception:  # a damaged or foreign file: trace again
+        return None
+    return traced if isinstance(traced, _Traced) else None
+
+
+def save_traces() -> None:
+    """Write every trace that gained something since it was loaded to the disk cache."""
+    import os
+    import pickle
+    import tempfile
+
+    with _LOCK:
+        for key, traced in _CACHE.items():
+            if not traced.changed():
+                continue
+            path = _disk_path(key)
+            if path is None:
+                return
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                traced.mark_saved()
+                fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+                with os.fdopen(fd, "wb") as handle:
+                    pickle.dump(traced, handle, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(tmp, path)  # never a half-written cache file
+            except OSError:
+                traced._dirty = True  # a read-only home: keep working without the cache
+
+
 def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
     key = (model_spec.cache_key(), spec)
     with _LOCK:
+        if key not in _CACHE and (loaded := _disk_load(key)) is not None:
+            _CACHE[key] = loaded
         if key not in _CACHE:
             started = time.perf_counter()
             check, grid, second = grid_shapes(model_spec.max_positions)
@@ -396,7 +572,11 @@ class _CudaDropout(torch.overrides.TorchFunctionMode):
             p, training = bound.get("p", 0.5), bound.get("training", True)
             if training and p > 0 and not bound.get("inplace", False):
                 return torch.native_dropout(bound["input"], p, True)[0]
-        return func(*args, **kwargs)
+        from memfit.estimate.cuda_emulation import _redispatch
+
+        # a Python function (Tensor.backward, whose checkpoint recompute calls dropout again)
+        # runs with this mode still active
+        return _redispatch(self, func, types, args, kwargs)
 
 
 # --- replay -------------------------------------------------------------------------------------------
@@ -406,24 +586,79 @@ _PHASE_NAMES = {PHASES.index("setup"): "forward"} | {
 
 
 def _replay(
-    trace: StepTrace, fb: Segment, fb_sizes: list[int], spec: StepSpec, profile: dev.CudaProfile
+    trace: StepTrace,
+    fb: Segment,
+    fb_sizes: list[int],
+    spec: StepSpec,
+    profile: dev.CudaProfile,
+    world_size: int = 1,
 ) -> _Peak:
     optimizer_segments = (
         (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
     )
+    # DistributedDataParallel's reducer keeps every gradient a second time, in flat buckets
+    # (bucket_cap_mb=25, the first bucket 1 MiB; gradient_as_bucket_view=False, its default),
+    # allocated when the model is wrapped and alive for the whole run
+    buckets = (
+        _ddp_buckets(trace.trainable_gradient_bytes)
+        if world_size > 1 and spec.mode == "train"
+        else []
+    )
     if spec.device == "cpu":
-        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec)
-    return _replay_cuda(trace, fb, fb_sizes, optimizer_segments, spec, profile)
+        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, buckets)
+    return _replay_cuda(trace, fb, fb_sizes, optimizer_segments, spec, profile, buckets, world_size)
+
+
+DDP_FIRST_BUCKET = 1 << 20
+DDP_BUCKET = 25 << 20
+
+
+def _ddp_buckets(gradient_bytes: int) -> list[int]:
+    sizes: list[int] = []
+    left = gradient_bytes
+    while left > 0:
+        size = min(left, DDP_FIRST_BUCKET if not sizes else DDP_BUCKET)
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def _with_cached_rows(peak: _Peak, rows: int, config: Any, spec: StepSpec) -> _Peak:
+    """Add (or take away) the cached-loss rows the trace did not hold.
+
+    Each row of each column keeps its float32 embedding and that embedding's cached gradient
+    (hidden size × 4 bytes each) from the first pass to the end of backward.
+    """
+    extra = rows * 2 * 2 * int(config.hidden_size) * 4
+    breakdown = dict(peak.breakdown)
+    breakdown["activations"] += extra
+    return dataclasses.replace(
+        peak,
+        total_bytes=peak.total_bytes + extra,
+        breakdown=breakdown,
+        allocated_peak_bytes=peak.allocated_peak_bytes + extra,
+        reserved_peak_bytes=None
+        if peak.reserved_peak_bytes is None
+        else peak.reserved_peak_bytes + extra,
+    )
 
 
 def _replay_cpu(
-    trace: StepTrace, fb: Segment, fb_sizes: list[int], opt: Segment | None, spec: StepSpec
+    trace: StepTrace,
+    fb: Segment,
+    fb_sizes: list[int],
+    opt: Segment | None,
+    spec: StepSpec,
+    buckets: list[int],
 ) -> _Peak:
     sizes = trace.resident_sizes
     cats = trace.resident_categories
     resident_ids = trace.steady if spec.mode == "train" else trace.initial
     raw = [0] * len(CATEGORIES)
     rounded = 0
+    for size in buckets:
+        raw[CAT["gradients"]] += size
+        rounded += dev.cpu_allocation_bytes(size)
     for g in resident_ids:
         raw[cats[g]] += sizes[g]
         rounded += dev.cpu_allocation_bytes(sizes[g])
@@ -469,6 +704,8 @@ def _replay_cuda(
     optimizer_segments: tuple[Segment | None, Segment | None],
     spec: StepSpec,
     profile: dev.CudaProfile,
+    buckets: list[int],
+    world_size: int,
 ) -> _Peak:
     allocator = dev.CachingAllocator()
     sizes = trace.resident_sizes
@@ -479,6 +716,9 @@ def _replay_cuda(
     for g in trace.initial:
         handles[g] = allocator.malloc(sizes[g])
         raw[cats[g]] += sizes[g]
+    for size in buckets:
+        allocator.malloc(size)
+        raw[CAT["gradients"]] += size
     # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process
     workspace = profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes
     allocator.malloc(profile.cublas_workspace_bytes)
@@ -540,8 +780,10 @@ def _replay_cuda(
     breakdown = {name: best_raw[i] for i, name in enumerate(CATEGORIES)}
     reserved = allocator.max_reserved
     breakdown["allocator_overhead"] = reserved - sum(best_raw) - workspace
-    breakdown["runtime_overhead"] = profile.context_bytes + workspace
-    total = reserved + profile.context_bytes
+    # NCCL's communicator buffers live outside the caching allocator
+    nccl = profile.nccl_bytes if world_size > 1 else 0
+    breakdown["runtime_overhead"] = profile.context_bytes + workspace + nccl
+    total = reserved + profile.context_bytes + nccl
     return _Peak(
         total, breakdown, str(state["at"]), allocator.max_allocated, reserved, profile.context_bytes
     )
@@ -553,4 +795,12 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-__all__ = ["BREAKDOWN_KEYS", "CAT", "Estimate", "clear_cache", "estimate", "validate"]
+__all__ = [
+    "BREAKDOWN_KEYS",
+    "CAT",
+    "Estimate",
+    "clear_cache",
+    "estimate",
+    "save_traces",
+    "validate",
+]

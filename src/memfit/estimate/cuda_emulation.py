@@ -1039,6 +1039,24 @@ def _placeholder(nbytes: int, device: Any) -> torch.Tensor:
     return torch.empty((nbytes,), dtype=torch.uint8, device=device)
 
 
+def _rounded_bytes(itemsize: int, multiples: tuple[int, ...], *dims: int) -> int:
+    """Bytes of a buffer whose dims a kernel rounds up to ``multiples``."""
+    return math.prod(_round_up(d, m) for d, m in zip(dims, multiples, strict=True)) * itemsize
+
+
+def _rounded_zeros(
+    dims: tuple[int, ...], multiples: tuple[int, ...], dtype: torch.dtype, device: Any
+) -> torch.Tensor:
+    """A zeroed buffer of ``dims`` rounded up to ``multiples``, declared by its unrounded dims.
+
+    The rounded dims are no bilinear function of the sequence length (round_up(S, 128) is not),
+    the unrounded ones are: the fit predicts those and the formula rounds them, exactly.
+    """
+    padded = tuple(_round_up(d, m) for d, m in zip(dims, multiples, strict=True))
+    with sized_allocation(dims, functools.partial(_rounded_bytes, dtype.itemsize, multiples)):
+        return torch.zeros(padded, dtype=dtype, device=device)
+
+
 def _padded_mask_bytes(itemsize: int, *dims: int) -> int:
     """pad_bias: a copy with the last dim padded to a multiple of 8, only when misaligned."""
     *lead, rows, last = dims
@@ -1185,15 +1203,20 @@ def _flash_backward(
     dk_t = torch.empty_like(k_t)
     dv_t = torch.empty_like(v_t)
     head_dim_rounded = _round_up(head_dim, 32) if _round_up(head_dim, 32) < 224 else 256
-    seqlen_q_rounded = _round_up(seqlen_q, 128)
-    # why: mha_bwd ``softmax_d = at::empty({b, h, seqlen_q_rounded}, float)``
-    softmax_d = torch.empty((batch, heads, seqlen_q_rounded), dtype=torch.float32, device=q.device)
-    dq_accum_shape: tuple[int, ...] = (batch, seqlen_q_rounded, heads, head_dim_rounded)
+    # why: mha_bwd ``softmax_d = at::empty({b, h, seqlen_q_rounded}, float)``, the sequence
+    # rounded up to 128
+    softmax_d = _rounded_zeros((batch, heads, seqlen_q), (1, 1, 128), torch.float32, q.device)
+    # why: mha_bwd ``dq_accum = at::empty({b, seqlen_q_rounded, h, head_size_rounded}, float)``
+    dq_accum_dims = (batch, seqlen_q, heads, head_dim_rounded)
     if _deterministic():
         # deterministic mode: one accumulator per split, ``nsplits = ceil(num_SMs / (b * h))``
-        dq_accum_shape = (_ceil_div(num_sms, batch * heads), *dq_accum_shape)
-    # why: mha_bwd ``dq_accum = at::empty({b, seqlen_q_rounded, h, head_size_rounded}, float)``
-    dq_accum = torch.zeros(dq_accum_shape, dtype=torch.float32, device=q.device)
+        # (no bilinear dim: shapes in this mode are traced one by one)
+        splits = _ceil_div(num_sms, batch * heads)
+        dq_accum = _rounded_zeros(
+            (splits, *dq_accum_dims), (1, 1, 128, 1, 1), torch.float32, q.device
+        )
+    else:
+        dq_accum = _rounded_zeros(dq_accum_dims, (1, 128, 1, 1), torch.float32, q.device)
     dq_t.zero_()
     if heads_k != heads:
         # why: MQA/GQA: mha_bwd computes dK/dV for every query head, then sums each group
@@ -1362,8 +1385,8 @@ class _EfficientAttention(torch.autograd.Function):
         res = torch.empty((batch, seqlen_q, heads, head_dim_v), dtype=q.dtype, device=q.device)
         # why: ``logsumexp = at::empty({B, num_heads, compute_logsumexp ? ceil_div(M, kAlignLSE) *
         # kAlignLSE : 0}, float)`` with kAlignLSE = 32, saved for backward
-        lse_len = _round_up(seqlen_q, 32) if compute_logsumexp else 0
-        logsumexp = torch.empty((batch, heads, lse_len), dtype=torch.float32, device=q.device)
+        lse_len = seqlen_q if compute_logsumexp else 0
+        logsumexp = _rounded_zeros((batch, heads, lse_len), (1, 1, 32), torch.float32, q.device)
         if q.dtype in _LOW_PRECISION and max(head_dim, head_dim_v) > 128:
             # why: kNeedsOutputAccumulatorBuffer (the kSingleValueIteration=false kernel for head
             # dims over 128 accumulates in a float32 (B, M, H, Kv) buffer during the kernel)
@@ -1430,8 +1453,8 @@ def _efficient_backward(
     if bias_requires_grad:
         assert bias is not None
         # why: ``grad_bias = at::empty(sz with last dim rounded up to 16).slice(-1, 0, lastDim)``
-        padded_shape = (*bias.shape[:-1], _round_up(bias.shape[-1], 16))
-        grad_bias = torch.zeros(padded_shape, dtype=bias.dtype, device=bias.device)[
+        multiples = (*(1,) * (bias.dim() - 1), 16)
+        grad_bias = _rounded_zeros(tuple(bias.shape), multiples, bias.dtype, bias.device)[
             ..., : bias.shape[-1]
         ]
     if q.dtype in _LOW_PRECISION:

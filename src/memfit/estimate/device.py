@@ -139,6 +139,10 @@ class CudaProfile:
     32 MiB on sm90 (H100/H200), else 4096 KiB·2 + 16 KiB·8 (aten/src/ATen/cuda/CublasHandlePool.cpp).
     ``cublaslt_workspace_bytes``: cuBLASLt's own 1 MiB workspace, persistent from torch 2.9 and
     shared with cuBLAS' from torch 2.12.
+    ``nccl_bytes``: with several ranks, NCCL's communicator buffers, outside the caching
+    allocator. An assumption from NCCL's defaults, not a measurement: a ring over 16 channels,
+    each with send and receive buffers for its two peers of the Simple (NCCL_BUFFSIZE 4 MiB),
+    LL128 (about 4.6 MiB) and LL (256 KiB) protocols: 16 × 2 × 8.9 MiB ≈ 288 MiB.
     """
 
     name: str = "generic sm80+"
@@ -146,6 +150,7 @@ class CudaProfile:
     cublas_workspace_bytes: int = 4096 * 1024 * 2 + 16 * 1024 * 8
     cublaslt_workspace_bytes: int = 1 * MiB
     flash_attention: bool = True
+    nccl_bytes: int = 288 * MiB
 
 
 def cuda_profile(

@@ -75,11 +75,15 @@ def grid_shapes(
         # off-grid checks reveal the padding
         shift = 0 if aligned else 4
         s0, s1, sv, s2 = 128 + shift, 256 + shift, 200 + shift, 104 - shift
-    else:
-        top = max(16, min(max_positions, 64))
+    elif max_positions >= 40:
+        # small position tables: every length a multiple of 8 (or none), as for the large ones
         shift = 0 if aligned else 3
-        s0, s1 = top // 4 + shift, top // 2 + shift
-        sv, s2 = (s0 + s1) // 2 + 1, max(3, top // 3 + 1)
+        s0, s1, sv, s2 = 16 + shift, 32 + shift, 24 + shift, 8 + shift
+    else:
+        # a toy table: whatever fits (misaligned lengths may need exact traces)
+        top = max(8, max_positions)
+        s0, s1 = top // 4 + 1, top // 2 + 1
+        sv, s2 = (s0 + s1) // 2 + 1, max(2, top // 8)
     if batch_size is not None:
         return (batch_size, sv), [(batch_size, s0), (batch_size, s1)], (batch_size, s2)
     return (3, sv), [(2, s0), (4, s0), (2, s1), (4, s1)], (5, s2)
@@ -124,11 +128,19 @@ def check_fit(fitted: FittedSegment, shape: tuple[int, int], actual: Segment) ->
     return bool(np.array_equal(predicted, np.array(actual.sizes, dtype=np.int64)))
 
 
-def infer_padding(fitted: FittedSegment, shape: tuple[int, int], actual: Segment) -> bool:
+def infer_padding(
+    fitted: FittedSegment,
+    shape: tuple[int, int],
+    actual: Segment,
+    grid: list[tuple[int, int]] | None = None,
+) -> bool:
     """Find dims that a kernel rounds up: the check trace holds the rounded value of the fitted one.
 
     Sets ``fitted.multiples``; False when some dim is neither the fitted value nor its round-up to
-    a power of two up to 256.
+    a power of two up to 256. When the grid's own values were rounded (sequence lengths that are
+    no multiple of the padding), the fitted line runs above the true one by an unknown offset
+    below the multiple: every offset consistent with the grid and the check is tried, and the
+    one that brings the line's constant term nearest zero is kept (kernels pad S, not S + c).
     """
     if actual.signature() != fitted.template.signature():
         return False
@@ -136,14 +148,23 @@ def infer_padding(fitted: FittedSegment, shape: tuple[int, int], actual: Segment
     observed = np.ones_like(predicted)
     for i, dims in enumerate(actual.shapes):
         observed[i, : len(dims)] = dims
+    on_grid = [fitted.dims(*g) for g in grid or []]
     multiples = np.ones_like(predicted)
     for i, k in zip(*np.nonzero(predicted != observed), strict=True):
-        for multiple in (2, 4, 8, 16, 32, 64, 128, 256):
-            if -(-predicted[i, k] // multiple) * multiple == observed[i, k]:
-                multiples[i, k] = multiple
-                break
-        else:
+        constant = fitted.coefficients[i, k, 0]
+        candidates = [
+            (abs(constant - d), multiple, d)
+            for multiple in (2, 4, 8, 16, 32, 64, 128, 256)
+            # a padded dim is a multiple of its padding at every grid point
+            if not any(values[i, k] % multiple for values in on_grid)
+            for d in range(multiple)
+            if -(-(predicted[i, k] - d) // multiple) * multiple == observed[i, k]
+        ]
+        if not candidates:
             return False
+        _, multiple, offset = min(candidates)
+        fitted.coefficients[i, k, 0] = constant - offset
+        multiples[i, k] = multiple
     fitted.multiples = multiples if (multiples > 1).any() else None
     return True
 
@@ -152,7 +173,8 @@ def fit_trace(trace: StepTrace) -> FittedSegment | None:
     """Fit a trace made of ``[check, *grid, second_check]``; None if the checks fail."""
     (check_shape, check_seg, _), *grid_steps, (second_shape, second_seg, _) = trace.steps
     fitted = fit_segments([(shape, seg) for shape, seg, _ in grid_steps])
-    if fitted is None or not infer_padding(fitted, check_shape, check_seg):
+    grid_shapes_ = [shape for shape, _, _ in grid_steps]
+    if fitted is None or not infer_padding(fitted, check_shape, check_seg, grid_shapes_):
         return None
     if not check_fit(fitted, second_shape, second_seg):
         return None

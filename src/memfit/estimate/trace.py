@@ -204,6 +204,8 @@ class StepTrace:
     steps: list[tuple[tuple[int, int], Segment, Segment | None]]
     num_parameters: int
     parameter_bytes: int
+    trainable_parameters: int = 0
+    trainable_gradient_bytes: int = 0  # what one float32 gradient per trainable parameter takes
     # global ids: parameters and buffers (allocated before any step), what is alive between steps
     # (those plus optimizer state), and the global id of each allocation of the first optimizer step
     initial: list[int] = field(default_factory=list)
@@ -268,15 +270,15 @@ def trace_steps(
                     workload.eval_step(model, batch, spec, autocast=autocast, recorder=recorder)
                 else:
                     assert optimizer is not None
-                    with workload.phase(recorder, "forward"), autocast():
-                        loss = workload.compute_loss(model, batch, spec)
-                    with (
-                        workload.phase(recorder, "backward"),
-                        (backward_modes or contextlib.nullcontext)(),
-                    ):
-                        (scaler.scale(loss) if scaler is not None else loss).backward()
-                        # the graph is gone once backward is done, as in a training loop
-                        del loss
+                    workload.forward_backward(
+                        model,
+                        batch,
+                        spec,
+                        scaler=scaler,
+                        autocast=autocast,
+                        backward_modes=backward_modes or contextlib.nullcontext,
+                        recorder=recorder,
+                    )
                     grad_ids = {
                         i
                         for p in params
@@ -319,6 +321,10 @@ def trace_steps(
         resident_categories=list(recorder.categories),
         steps=steps,
         num_parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        trainable_gradient_bytes=sum(
+            p.numel() * p.element_size() for p in params if p.requires_grad
+        ),
         parameter_bytes=parameter_bytes,
         initial=initial,
         steady=steady,

@@ -8,6 +8,8 @@ means the estimate and the measurement always describe the same step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +28,14 @@ LOSSES = {
     "causal-lm": ("cross-entropy",),
     # sentence-transformers' names: MultipleNegativesRankingLoss, CoSENTLoss, CosineSimilarityLoss,
     # SoftmaxLoss. mnrl is the default for (anchor, positive) pairs.
-    "sentence-embedding": ("mnrl", "cosent", "cosine", "softmax"),
+    "sentence-embedding": ("mnrl", "cached-mnrl", "cosent", "cosine", "softmax"),
 }
+# losses whose every sample is compared with the rest of its batch: a smaller batch (gradient
+# accumulation) changes the objective; their cached (GradCache) variant does not
+IN_BATCH_NEGATIVE_LOSSES = ("mnrl", "cached-mnrl")
+CACHED_LOSSES = {"mnrl": "cached-mnrl"}
+# sentence-transformers' CachedMultipleNegativesRankingLoss default mini-batch
+DEFAULT_MINI_BATCH_SIZE = 32
 DEFAULT_LOSS = {
     "classification": "cross-entropy",
     "causal-lm": "cross-entropy",
@@ -40,6 +48,9 @@ LOSS_ALIASES = {
     "cosinesimilarityloss": "cosine",
     "cosine-similarity": "cosine",
     "softmaxloss": "softmax",
+    "cachedmultiplenegativesrankingloss": "cached-mnrl",
+    "cached-multiple-negatives-ranking": "cached-mnrl",
+    "cachedmnrl": "cached-mnrl",
     "ce": "cross-entropy",
     "cross_entropy": "cross-entropy",
 }
@@ -62,6 +73,11 @@ class StepSpec:
     device: str = "cuda"
     num_labels: int = 2
     loss: str = "cross-entropy"
+    # LoRA adapters (peft) of this rank on the default target modules; 0: full fine-tuning
+    lora_rank: int = 0
+    # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
+    # estimator traces two and adds the rest exactly; real runs use the true count)
+    cached_chunks: int = 2
 
 
 class BiEncoder(nn.Module):
@@ -102,7 +118,7 @@ def build_model(config: Any, spec: StepSpec) -> nn.Module:
     else:  # pragma: no cover - validated earlier
         raise ValueError(f"unknown task {spec.task!r}")
     if spec.gradient_checkpointing:
-        target = model.transformer if isinstance(model, BiEncoder) else model
+        target: Any = model.transformer if isinstance(model, BiEncoder) else model
         # non-reentrant checkpointing: what PyTorch recommends and what memfit train uses
         # (newer transformers renamed the method; older versions only have the first name)
         if hasattr(target, "activation_checkpointing_enable"):
@@ -113,8 +129,46 @@ def build_model(config: Any, spec: StepSpec) -> nn.Module:
             target.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+    if spec.lora_rank:
+        with warnings.catch_warnings():
+            # peft asks transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            # peft switches fan_in_fan_out on by itself for GPT-2's Conv1D, and says so
+            warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
+            model = _with_lora(model, spec)
     model.train(spec.mode == "train")
     return model
+
+
+LORA_TASK_TYPES = {
+    "classification": "SEQ_CLS",
+    "causal-lm": "CAUSAL_LM",
+    "sentence-embedding": "FEATURE_EXTRACTION",
+}
+
+
+def _with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
+    """LoRA adapters via peft on its default target modules for the architecture.
+
+    alpha = 2·rank and dropout 0.1, the usual recipe; the classification head stays trainable
+    (peft's SEQ_CLS task type saves it), everything else is frozen.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:  # pragma: no cover - peft is in the 'all' extra
+        raise RuntimeError("LoRA needs peft: pip install 'memfit[all]'") from exc
+    config = LoraConfig(
+        task_type=LORA_TASK_TYPES[spec.task],
+        r=spec.lora_rank,
+        lora_alpha=2 * spec.lora_rank,
+        lora_dropout=0.1,
+    )
+    if isinstance(model, BiEncoder):
+        model.transformer = get_peft_model(model.transformer, config)  # type: ignore[arg-type]
+        if model.classifier is not None:
+            model.classifier.requires_grad_(True)
+        return model
+    return get_peft_model(model, config)  # type: ignore[arg-type, return-value]
 
 
 def _task_config(config: Any, spec: StepSpec) -> Any:
@@ -158,6 +212,10 @@ def make_batch(
     if spec.task == "causal-lm":
         ids = tokens()
         return {"input_ids": ids, "attention_mask": mask(), "labels": ids}
+    if spec.loss == "cached-mnrl":
+        # the whole batch, ``cached_chunks`` mini-batches of ``batch_size`` rows
+        rows = batch_size * spec.cached_chunks
+        return make_batch(config, dataclasses.replace(spec, loss="mnrl"), rows, seq_len, device)
     batch: dict[str, Any] = {
         "anchor": {"input_ids": tokens(), "attention_mask": mask()},
         "positive": {"input_ids": tokens(), "attention_mask": mask()},
@@ -251,7 +309,8 @@ def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> tor
         return model(**batch).loss
     anchor = model(**batch["anchor"])
     positive = model(**batch["positive"])
-    return sentence_loss(model, anchor, positive, batch.get("labels"), spec.loss)
+    loss = "mnrl" if spec.loss == "cached-mnrl" else spec.loss
+    return sentence_loss(model, anchor, positive, batch.get("labels"), loss)
 
 
 def sentence_loss(
@@ -345,6 +404,97 @@ def phase(recorder: Any, name: str) -> Iterator[None]:
     yield
 
 
+ModeFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def forward_backward(
+    model: nn.Module,
+    batch: dict[str, Any],
+    spec: StepSpec,
+    *,
+    scaler: Any = None,
+    autocast: ModeFactory = contextlib.nullcontext,
+    backward_modes: ModeFactory = contextlib.nullcontext,
+    recorder: Any = None,
+) -> None:
+    """Forward with loss, then backward: the gradients of one batch."""
+    if spec.loss == "cached-mnrl":
+        _cached_mnrl_forward_backward(
+            model,
+            batch,
+            spec,
+            scaler=scaler,
+            autocast=autocast,
+            backward_modes=backward_modes,
+            recorder=recorder,
+        )
+        return
+    with phase(recorder, "forward"), autocast():
+        loss = compute_loss(model, batch, spec)
+    with phase(recorder, "backward"), backward_modes():
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        # free the graph's last reference before the optimizer runs, as a training loop does
+        del loss
+
+
+def _cached_mnrl_forward_backward(
+    model: nn.Module,
+    batch: dict[str, Any],
+    spec: StepSpec,
+    *,
+    scaler: Any,
+    autocast: ModeFactory,
+    backward_modes: ModeFactory,
+    recorder: Any,
+) -> None:
+    """MultipleNegativesRankingLoss with gradient caching (GradCache), as sentence-transformers'
+    CachedMultipleNegativesRankingLoss runs it: the gradient of the whole batch's loss, with the
+    activations of only one mini-batch alive at a time.
+
+    1. embed every mini-batch without a graph; 2. the loss on the detached embeddings, one
+    mini-batch of anchors against all positives at a time, caches d loss / d embedding;
+    3. embed each mini-batch again with a graph and backpropagate the cached gradient into it.
+    """
+    columns = [batch["anchor"], batch["positive"]]
+    rows = columns[0]["input_ids"].size(0)
+    mini = max(1, -(-rows // spec.cached_chunks))
+
+    def pieces(column: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ids, masks = column["input_ids"].split(mini), column["attention_mask"].split(mini)
+        return list(zip(ids, masks, strict=True))
+
+    with phase(recorder, "forward"):
+        reps: list[list[torch.Tensor]] = []
+        for column in columns:
+            with torch.no_grad(), autocast():
+                embedded = [model(input_ids=i, attention_mask=m) for i, m in pieces(column)]
+            reps.append([e.detach().requires_grad_() for e in embedded])
+            del embedded
+        anchors, positives = torch.cat(reps[0]), torch.cat(reps[1])
+        targets = torch.arange(rows, device=anchors.device)
+        with phase(recorder, "backward"), backward_modes():
+            for start in range(0, rows, mini):
+                with autocast():
+                    scores = _cos_sim(anchors[start : start + mini], positives) * MNRL_SCALE
+                    loss = nn.functional.cross_entropy(scores, targets[start : start + mini])
+                    loss = loss * scores.size(0) / rows
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                del scores, loss
+        del anchors, positives, targets
+    cache = [[r.grad for r in column_reps] for column_reps in reps]
+    del reps
+    with phase(recorder, "backward"), backward_modes():
+        for column, grads in zip(columns, cache, strict=True):
+            for (ids, masks), grad in zip(pieces(column), grads, strict=True):
+                assert grad is not None
+                with autocast():
+                    embedding = model(input_ids=ids, attention_mask=masks)
+                surrogate = torch.dot(embedding.flatten(), grad.flatten().to(embedding.dtype))
+                surrogate.backward()
+                del embedding, surrogate
+    del cache
+
+
 def training_step(
     model: nn.Module,
     batch: dict[str, Any],
@@ -356,12 +506,7 @@ def training_step(
     recorder: Any = None,
 ) -> None:
     """Forward with loss, backward, optimizer step, zero_grad: one steady-state training step."""
-    with phase(recorder, "forward"), autocast():
-        loss = compute_loss(model, batch, spec)
-    with phase(recorder, "backward"):
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        # free the graph's last reference before the optimizer runs, as a training loop does
-        del loss
+    forward_backward(model, batch, spec, scaler=scaler, autocast=autocast, recorder=recorder)
     with phase(recorder, "optimizer_step"):
         if scaler is not None:
             scaler.step(optimizer)

@@ -11,6 +11,7 @@ from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.estimate import Estimate
+    from memfit.plan import Plan
 
 _LABELS = {
     "parameters": "parameters",
@@ -60,3 +61,42 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
                 f"[red]Does not fit[/red] in {format_bytes(estimate.budget_bytes)}: "
                 f"{format_bytes(estimate.total_bytes - estimate.budget_bytes)} short."
             )
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    """The chosen configuration, the alternatives, why, and what would make it fit."""
+    console = console or Console(highlight=False)
+    if plan.chosen is None:
+        console.print(
+            f"[bold red]Nothing fits[/] in {format_bytes(plan.budget_bytes)}: "
+            f"the least any configuration needs is {format_bytes(plan.min_required_bytes)}."
+        )
+    else:
+        table = Table(title="memfit plan", show_header=True)
+        table.add_column("setting")
+        table.add_column("value", justify="right")
+        for key, value in plan.chosen.settings().items():
+            if value is not None:
+                table.add_row(key, str(value))
+        table.add_row("predicted peak", format_bytes(plan.chosen.predicted_peak_bytes))
+        table.add_row("budget", format_bytes(plan.budget_bytes))
+        table.add_row("samples/s (cost model)", f"{plan.chosen.predicted_samples_per_second:.1f}")
+        console.print(table)
+    for line in plan.explanation:
+        console.print(f"• {line}", soft_wrap=True)
+    if plan.alternatives:
+        console.print("Alternatives that fit:")
+        for alt in plan.alternatives:
+            s = alt.settings()
+            console.print(
+                f"  micro-batch {s['micro_batch_size']} × {s['gradient_accumulation_steps']}, "
+                f"{s['precision']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, "
+                f"{s['optimizer']}, {s['max_seq_len']} tokens"
+                + (f", mini-batch {s['mini_batch_size']}" if s["mini_batch_size"] else "")
+                + (f", LoRA r={s['lora_rank']}" if s["lora_rank"] else "")
+                + f": {format_bytes(alt.predicted_peak_bytes)}, "
+                f"{alt.predicted_samples_per_second:.1f} samples/s",
+                soft_wrap=True,
+            )
+    for line in plan.suggestions:
+        console.print(f"→ {line}", soft_wrap=True)

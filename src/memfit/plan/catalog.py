@@ -1,0 +1,124 @@
+"""GPUs by name: memory as PyTorch reports it, bf16 support, peak FLOP rates, bandwidth.
+
+The figures live in ``gpus.json`` next to this file, with their sources: vendor datasheets for the
+rates (dense tensor-core rates with float32 accumulation, plain FP32 without TF32, since PyTorch
+does not use TF32 for matmuls by default) and, for memory, ``total_memory`` as CUDA reports it
+(real out-of-memory messages and device queries), which is below the marketing figure.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from memfit.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU model: what the planner needs to know about it."""
+
+    id: str
+    name: str
+    memory_bytes: int
+    bf16: bool
+    tflops: dict[str, float | None]
+    memory_bandwidth_gbps: float
+    sm_count: int
+    compute_capability: tuple[int, int]
+    aliases: tuple[str, ...] = ()
+
+    def flops_per_second(self, precision: str) -> float:
+        """Peak FLOP/s for matmuls in ``precision`` (fp32 | fp16 | bf16)."""
+        rate = self.tflops.get(precision)
+        if rate is None:  # bf16 on a GPU without it: never planned, but answer something
+            rate = self.tflops["fp32"]
+        return float(rate or 0.0) * 1e12
+
+    def mixed_precision(self) -> str:
+        """The mixed precision this GPU should train in: bf16 where it has it, else fp16."""
+        return "bf16" if self.bf16 else "fp16"
+
+
+@functools.cache
+def _load() -> dict[str, Any]:
+    text = resources.files("memfit.plan").joinpath("gpus.json").read_text(encoding="utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+@functools.cache
+def catalog() -> dict[str, Gpu]:
+    """Every GPU in the catalog, by id, smallest memory first."""
+    gpus = {}
+    for gpu_id, entry in _load()["gpus"].items():
+        major, minor = (int(x) for x in str(entry["compute_capability"]).split("."))
+        gpus[gpu_id] = Gpu(
+            id=gpu_id,
+            name=entry["name"],
+            memory_bytes=int(entry["memory_bytes"]),
+            bf16=bool(entry["bf16"]),
+            tflops=dict(entry["tflops"]),
+            memory_bandwidth_gbps=float(entry["memory_bandwidth_gbps"]),
+            sm_count=int(entry["sm_count"]),
+            compute_capability=(major, minor),
+            aliases=tuple(entry.get("aliases", ())),
+        )
+    return dict(sorted(gpus.items(), key=lambda kv: (kv[1].memory_bytes, kv[0])))
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def find_gpu(name: str, flag: str = "--gpu") -> Gpu:
+    """The catalog GPU called ``name`` (its id or an alias, any case); exit-2 error otherwise."""
+    gpus = catalog()
+    wanted = _key(name)
+    for gpu in gpus.values():
+        if wanted == _key(gpu.id) or wanted in {_key(a) for a in gpu.aliases}:
+            return gpu
+    close = difflib.get_close_matches(wanted, list(gpus), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise UsageError(f"{flag}: unknown GPU {name!r}{hint} (known: {', '.join(gpus)})")
+
+
+# what --gpu-memory alone assumes for speed: an A100-class GPU (bf16, its rates)
+ASSUMED_GPU = "a100-80gb"
+
+
+def detect_gpu() -> tuple[Gpu, int, int] | None:
+    """The GPU of this machine: (catalog entry if known, total bytes, free bytes); None without."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    known: Gpu | None = None
+    for gpu in catalog().values():
+        names = {_key(gpu.name), *(_key(a) for a in gpu.aliases)}
+        if _key(props.name) in names or _key(props.name.replace("NVIDIA ", "")) in names:
+            known = gpu
+            break
+    if known is None:
+        # an unknown GPU: its own memory and capability, rates of the nearest generation
+        major, minor = props.major, props.minor
+        base = catalog()["h100-80gb" if major >= 9 else "a100-80gb" if major >= 8 else "v100-32gb"]
+        known = Gpu(
+            id=props.name,
+            name=props.name,
+            memory_bytes=int(total),
+            bf16=major >= 8,
+            tflops=base.tflops,
+            memory_bandwidth_gbps=base.memory_bandwidth_gbps,
+            sm_count=props.multi_processor_count,
+            compute_capability=(major, minor),
+        )
+    return known, int(total), int(free)

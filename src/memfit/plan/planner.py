@@ -1,0 +1,753 @@
+"""``memfit.plan``: the cheapest cures that fit a job into a memory budget, effective batch kept.
+
+Levers, least harmful first:
+
+1. micro-batch × gradient accumulation (exact for per-sample and per-token losses; for
+   in-batch-negative losses the gradient-cached loss instead, which is exact too);
+2. mixed precision (bf16 where the GPU has it, else fp16 with loss scaling), unless pinned;
+3. gradient checkpointing;
+4. only when allowed: an 8-bit AdamW or Adafactor optimizer, truncation, LoRA (in that order of
+   harm: a configuration's *tier* is the most harmful lever it uses).
+
+Within the least harmful tier that fits, configurations are ranked by predicted throughput
+(:mod:`memfit.plan.cost`). For fixed other knobs memory grows with the micro-batch, and so does
+throughput, so each knob combination is tried at its largest fitting micro-batch, found by
+bisection over the divisors of the per-rank batch. A combination is traced only when its best
+possible throughput (the whole per-rank batch at once) could beat the best found so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import UsageError
+from memfit.estimate import workload
+from memfit.estimate.api import estimate
+from memfit.plan import cost
+from memfit.plan.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
+from memfit.plan.data_profile import DataProfile
+from memfit.units import format_bytes, parse_size
+
+PLAN_KEYS = (
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "world_size",
+    "precision",
+    "gradient_checkpointing",
+    "optimizer",
+    "max_seq_len",
+    "loss",
+    "mini_batch_size",
+    "max_tokens_per_micro_batch",
+)
+LEVERS = ("optimizer", "truncation", "lora")  # what --allow accepts, least harmful first
+LORA_RANK = 8
+SWAP_OPTIMIZERS = ("adamw-8bit", "adafactor")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Everything but the micro-batch size."""
+
+    precision: str
+    gradient_checkpointing: bool
+    optimizer: str
+    max_seq_len: int
+    lora_rank: int
+
+    def tier(self, base_optimizer: str, seq_len: int) -> int:
+        """0: no harmful lever; then the most harmful allowed lever used (1 optimizer, 2
+        truncation, 3 LoRA)."""
+        if self.lora_rank:
+            return 3
+        if self.max_seq_len < seq_len:
+            return 2
+        return 1 if self.optimizer != base_optimizer else 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration that was estimated."""
+
+    knobs: Knobs
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    loss: str
+    mini_batch_size: int | None
+    predicted_peak_bytes: int
+    predicted_samples_per_second: float
+
+    def settings(self) -> dict[str, Any]:
+        """The plan keys (plus ``lora_rank``)."""
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "world_size": self.world_size,
+            "precision": self.knobs.precision,
+            "gradient_checkpointing": self.knobs.gradient_checkpointing,
+            "optimizer": self.knobs.optimizer,
+            "max_seq_len": self.knobs.max_seq_len,
+            "loss": self.loss,
+            "mini_batch_size": self.mini_batch_size,
+            "max_tokens_per_micro_batch": (self.mini_batch_size or self.micro_batch_size)
+            * self.knobs.max_seq_len,
+            "lora_rank": self.knobs.lora_rank or None,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.settings(),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_samples_per_second": round(self.predicted_samples_per_second, 3),
+        }
+
+
+@dataclass
+class Plan:
+    """What ``memfit plan`` answers; ``to_dict`` is the ``--json`` contract."""
+
+    fits: bool
+    budget_bytes: int
+    predicted_peak_bytes: int | None
+    min_required_bytes: int
+    chosen: Candidate | None
+    alternatives: list[Candidate]
+    explanation: list[str]
+    suggestions: list[str]
+    # what the job is, for --write-config and for reading the plan back
+    model: str = ""
+    task: str = ""
+    seq_len: int = 0
+    effective_batch_size: int = 0
+    num_labels: int = 2
+    gpu: str | None = None
+    safety_margin: float = 0.05
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        return None if self.chosen is None else self.chosen.settings()
+
+    @property
+    def predicted_samples_per_second(self) -> float:
+        return 0.0 if self.chosen is None else self.chosen.predicted_samples_per_second
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "min_required_bytes": self.min_required_bytes,
+            "plan": self.plan,
+            "predicted_samples_per_second": round(self.predicted_samples_per_second, 3),
+            "alternatives": [c.to_dict() for c in self.alternatives],
+            "explanation": list(self.explanation),
+            "suggestions": list(self.suggestions),
+        }
+
+    def estimate_command(self) -> str | None:
+        """The ``memfit estimate`` command that re-checks the plan's peak by hand."""
+        if self.chosen is None:
+            return None
+        s = self.chosen.settings()
+        parts = [
+            f"memfit estimate {self.model} --task {self.task}",
+            f"--batch-size {s['micro_batch_size']} --seq-len {self.seq_len}",
+            f"--precision {s['precision']} --optimizer {s['optimizer']}",
+        ]
+        if self.task == "classification":
+            parts.append(f"--num-labels {self.num_labels}")
+        if self.task == "sentence-embedding":
+            parts.append(f"--loss {s['loss']}")
+        if s["mini_batch_size"]:
+            parts.append(f"--mini-batch-size {s['mini_batch_size']}")
+        if s["gradient_checkpointing"]:
+            parts.append("--gradient-checkpointing")
+        if s["max_seq_len"] < self.seq_len:
+            parts.append(f"--max-seq-len {s['max_seq_len']}")
+        if s["lora_rank"]:
+            parts.append(f"--lora-rank {s['lora_rank']}")
+        if s["world_size"] > 1:
+            parts.append(f"--world-size {s['world_size']}")
+        if self.gpu:
+            parts.append(f"--gpu {self.gpu}")
+        return " ".join(parts)
+
+
+# --- the search --------------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    model: str
+    task: str
+    seq_len: int
+    per_rank: int
+    world_size: int
+    loss: str
+    num_labels: int
+    attn_implementation: str
+    base_optimizer: str
+    gpu: Gpu
+    gpu_name: str | None  # passed to estimate (its profile); None: generic
+    usable: int
+    shape: cost.ModelShape
+    columns: int
+    frugal_precision: str = "fp32"
+    _estimates: dict[tuple[Knobs, int], int] = field(default_factory=dict)
+
+    @property
+    def in_batch_negatives(self) -> bool:
+        return self.loss in workload.IN_BATCH_NEGATIVE_LOSSES
+
+    def peak(self, knobs: Knobs, micro: int) -> int:
+        """Predicted peak for these knobs at micro-batch ``micro`` (mini-batch, for the cached loss)."""
+        key = (knobs, micro)
+        if key not in self._estimates:
+            kwargs: dict[str, Any] = {}
+            batch = micro
+            loss: str | None = None if self.task != "sentence-embedding" else self.loss
+            if self.in_batch_negatives:
+                batch = self.per_rank
+                if micro < self.per_rank:
+                    loss = workload.CACHED_LOSSES.get(self.loss, self.loss)
+                    kwargs["mini_batch_size"] = micro
+                else:
+                    loss = self.loss
+            result = estimate(
+                self.model,
+                task=self.task,
+                batch_size=batch,
+                seq_len=self.seq_len,
+                precision=knobs.precision,
+                optimizer=knobs.optimizer,
+                gradient_checkpointing=knobs.gradient_checkpointing,
+                attn_implementation=self.attn_implementation,
+                num_labels=self.num_labels,
+                loss=loss,
+                lora_rank=knobs.lora_rank or None,
+                max_seq_len=knobs.max_seq_len if knobs.max_seq_len < self.seq_len else None,
+                world_size=self.world_size,
+                gpu=self.gpu_name,
+                **kwargs,
+            )
+            self._estimates[key] = result.total_bytes
+        return self._estimates[key]
+
+    def candidate(self, knobs: Knobs, micro: int) -> Candidate:
+        cached = self.in_batch_negatives and micro < self.per_rank
+        if self.in_batch_negatives:
+            micro_batch, accumulation = self.per_rank, 1
+            loss = workload.CACHED_LOSSES.get(self.loss, self.loss) if cached else self.loss
+            mini = micro if cached else None
+        else:
+            micro_batch, accumulation = micro, self.per_rank // micro
+            loss, mini = self.loss, None
+        return Candidate(
+            knobs=knobs,
+            micro_batch_size=micro_batch,
+            gradient_accumulation_steps=accumulation,
+            world_size=self.world_size,
+            loss=loss,
+            mini_batch_size=mini,
+            predicted_peak_bytes=self.peak(knobs, micro),
+            predicted_samples_per_second=self.speed(knobs, micro),
+        )
+
+    def speed(self, knobs: Knobs, micro: int) -> float:
+        cached = self.in_batch_negatives and micro < self.per_rank
+        micro_batch = self.per_rank if self.in_batch_negatives else micro
+        return cost.samples_per_second(
+            self.shape,
+            self.gpu,
+            precision=knobs.precision,
+            micro_batch_size=micro_batch,
+            accumulation_steps=self.per_rank // micro_batch,
+            seq_len=knobs.max_seq_len,
+            gradient_checkpointing=knobs.gradient_checkpointing,
+            optimizer=knobs.optimizer,
+            lora=bool(knobs.lora_rank),
+            cached_loss=cached,
+            world_size=self.world_size,
+            columns=self.columns,
+            mini_batch_size=micro if cached else None,
+        )
+
+    def largest_fitting(self, knobs: Knobs, micros: Sequence[int]) -> int | None:
+        """The largest micro-batch (of the sorted ``micros``) whose peak fits, by bisection."""
+        lo, hi, best = 0, len(micros) - 1, None
+        # try the largest first: it often fits, and then one estimate settles it
+        if self.peak(knobs, micros[hi]) <= self.usable:
+            return micros[hi]
+        hi -= 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.peak(knobs, micros[mid]) <= self.usable:
+                best, lo = micros[mid], mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _truncations(seq_len: int, profile: DataProfile | None) -> list[int]:
+    """Shorter lengths to try: the data's 99th/95th/90th percentiles, or ¾ and ½ of the length."""
+    if profile is not None:
+        raw = [profile.percentile(q) for q in (99, 95, 90)]
+    else:
+        raw = [seq_len * 3 // 4, seq_len // 2]
+    out = sorted({max(8, -(-x // 8) * 8) for x in raw if x < seq_len}, reverse=True)
+    return [x for x in out if x < seq_len]
+
+
+def plan(
+    model: str,
+    *,
+    task: str,
+    seq_len: int,
+    effective_batch_size: int,
+    gpu_memory: int | str | None = None,
+    gpu: str | None = None,
+    loss: str | None = None,
+    world_size: int = 1,
+    allow: Iterable[str] = (),
+    precision: str | None = None,
+    data_profile: DataProfile | Sequence[int] | None = None,
+    safety_margin: float = 0.05,
+    num_labels: int = 2,
+    optimizer: str = "adamw",
+    attn_implementation: str = "sdpa",
+) -> Plan:
+    """Choose micro-batch, accumulation, precision, checkpointing (and, when allowed, optimizer,
+    truncation, LoRA) so that one step fits ``budget × (1 − safety_margin)`` and the effective
+    batch stays ``effective_batch_size`` exactly.
+
+    The budget is ``gpu_memory``, else the memory of the catalog GPU ``gpu``, else the free memory
+    of this machine's GPU. Returns a :class:`Plan`; ``plan.fits`` is False (and ``plan.plan`` None)
+    when nothing fits, with the least memory any configuration needs and suggestions.
+    """
+    from memfit.models import resolve_model
+
+    problems: list[str] = []
+
+    def whole(flag: str, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
+            return False
+        return True
+
+    whole("--seq-len", seq_len)
+    whole("--effective-batch-size", effective_batch_size)
+    whole("--world-size", world_size)
+    whole("--num-labels", num_labels)
+    if not isinstance(safety_margin, int | float) or not 0 <= safety_margin < 1:
+        problems.append(f"--safety-margin: must be in [0, 1), got {safety_margin!r}")
+    allowed = [a.strip().lower() for a in allow if a.strip()]
+    for lever in allowed:
+        if lever not in LEVERS:
+            problems.append(f"--allow: unknown lever {lever!r}; choose from {', '.join(LEVERS)}")
+    if precision is not None and precision not in workload.PRECISIONS:
+        problems.append(
+            f"--precision: unknown value {precision!r}; choose one of {', '.join(workload.PRECISIONS)}"
+        )
+    if task not in workload.TASKS:
+        problems.append(
+            f"--task: unknown value {task!r}; choose one of {', '.join(workload.TASKS)}"
+        )
+    if optimizer not in workload.OPTIMIZERS:
+        problems.append(
+            f"--optimizer: unknown value {optimizer!r}; choose one of {', '.join(workload.OPTIMIZERS)}"
+        )
+    resolved_loss = "cross-entropy"
+    if task in workload.TASKS:
+        resolved_loss = (
+            workload.DEFAULT_LOSS[task]
+            if loss is None
+            else workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
+        )
+        if resolved_loss not in workload.LOSSES[task]:
+            problems.append(
+                f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(workload.LOSSES[task])}"
+            )
+    if resolved_loss == "cached-mnrl":
+        resolved_loss = "mnrl"  # the plan decides whether to cache
+    budget: int | None = None
+    if gpu_memory is not None:
+        try:
+            budget = parse_size(gpu_memory, name="--gpu-memory")
+            if budget <= 0:
+                problems.append(f"--gpu-memory: must be more than 0 bytes, got {gpu_memory!r}")
+        except UsageError as exc:
+            problems.append(str(exc))
+    card: Gpu | None = None
+    notes: list[str] = []
+    if gpu is not None:
+        try:
+            card = find_gpu(gpu)
+        except UsageError as exc:
+            problems.append(str(exc))
+    model_spec = None
+    try:
+        model_spec = resolve_model(model)
+    except UsageError as exc:
+        problems.append(str(exc))
+    if model_spec is not None and isinstance(seq_len, int) and seq_len > model_spec.max_positions:
+        problems.append(
+            f"--seq-len: {seq_len} is beyond the {model_spec.max_positions} positions "
+            f"{model_spec.name} can use; use --seq-len {model_spec.max_positions} or less"
+        )
+    if (
+        isinstance(effective_batch_size, int)
+        and isinstance(world_size, int)
+        and world_size >= 1
+        and effective_batch_size >= 1
+        and effective_batch_size % world_size
+    ):
+        problems.append(
+            f"--effective-batch-size: {effective_batch_size} does not split evenly over "
+            f"--world-size {world_size}"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+    assert model_spec is not None
+
+    gpu_name: str | None = None
+    if card is not None:
+        gpu_name = card.id
+        if budget is None:
+            budget = card.memory_bytes
+            notes.append(f"Budget: the {card.name}'s {format_bytes(budget)}.")
+    elif budget is None:
+        found = detect_gpu()
+        if found is None:
+            raise UsageError(
+                "no GPU on this machine: give the budget with --gpu-memory SIZE (e.g. 16GiB) "
+                "or a GPU with --gpu NAME (memfit gpus lists them)"
+            )
+        card, _total, free = found
+        budget = free
+        gpu_name = card.id if card.id in catalog() else None
+        notes.append(
+            f"Budget: the free memory of this machine's {card.name}, {format_bytes(free)} "
+            "(measured with a CUDA context of this process already open)."
+        )
+    else:
+        card = catalog()[ASSUMED_GPU]
+        notes.append(
+            "Only --gpu-memory was given: assumed a GPU with bf16 and A100-class speed "
+            "for the throughput ranking (give --gpu NAME to be exact)."
+        )
+    assert budget is not None
+    if precision == "bf16" and not card.bf16:
+        raise UsageError(f"--precision: the {card.name} has no bf16; use fp16 or fp32")
+
+    usable = int(budget * (1 - safety_margin))
+    per_rank = effective_batch_size // world_size
+    spec = workload.StepSpec(task=task, num_labels=num_labels, loss=resolved_loss)
+    job = _Job(
+        model=model,
+        task=task,
+        seq_len=seq_len,
+        per_rank=per_rank,
+        world_size=world_size,
+        loss=resolved_loss,
+        num_labels=num_labels,
+        attn_implementation=attn_implementation,
+        base_optimizer=optimizer,
+        gpu=card,
+        gpu_name=gpu_name,
+        usable=usable,
+        shape=cost.model_shape(model_spec.config, spec),
+        columns=2 if task == "sentence-embedding" else 1,
+    )
+    profile = (
+        data_profile
+        if isinstance(data_profile, DataProfile) or data_profile is None
+        else DataProfile(tuple(int(x) for x in data_profile), source="data_profile")
+    )
+    precisions = [precision] if precision else [card.mixed_precision(), "fp32"]
+    optimizers = [optimizer] + (
+        [o for o in SWAP_OPTIMIZERS if o != optimizer] if "optimizer" in allowed else []
+    )
+    lengths = [seq_len] + (_truncations(seq_len, profile) if "truncation" in allowed else [])
+    ranks = [0] + ([LORA_RANK] if "lora" in allowed else [])
+    combos = [
+        Knobs(p, c, o, s, r)
+        for p in precisions
+        for c in (False, True)
+        for o in optimizers
+        for s in lengths
+        for r in ranks
+    ]
+    micros = _divisors(per_rank)
+
+    chosen: Candidate | None = None
+    evaluated: list[Candidate] = []
+    skipped: list[Knobs] = []
+    # the least any allowed configuration needs: when even that is over, skip the search
+    min_required, _ = _min_required(job, precisions, optimizers, lengths, ranks)
+    for tier in range(4 if min_required <= usable else 0):
+        tier_combos = [k for k in combos if k.tier(optimizer, seq_len) == tier]
+        # most promising first: the throughput each could reach with the whole batch at once
+        tier_combos.sort(key=lambda k: -job.speed(k, per_rank))
+        for knobs in tier_combos:
+            best_here = max(
+                (c for c in evaluated if c.knobs.tier(optimizer, seq_len) == tier),
+                key=lambda c: c.predicted_samples_per_second,
+                default=None,
+            )
+            if (
+                best_here is not None
+                and job.speed(knobs, per_rank) <= best_here.predicted_samples_per_second
+            ):
+                skipped.append(knobs)
+                continue
+            micro = job.largest_fitting(knobs, micros)
+            if micro is not None:
+                evaluated.append(job.candidate(knobs, micro))
+        fitting = [c for c in evaluated if c.knobs.tier(optimizer, seq_len) == tier]
+        if fitting:
+            chosen = max(fitting, key=lambda c: c.predicted_samples_per_second)
+            break
+
+    result = Plan(
+        fits=chosen is not None,
+        budget_bytes=budget,
+        predicted_peak_bytes=None if chosen is None else chosen.predicted_peak_bytes,
+        min_required_bytes=0,
+        chosen=chosen,
+        alternatives=[],
+        explanation=[],
+        suggestions=[],
+        model=model,
+        task=task,
+        seq_len=seq_len,
+        effective_batch_size=effective_batch_size,
+        num_labels=num_labels,
+        gpu=gpu_name,
+        safety_margin=safety_margin,
+    )
+    result.min_required_bytes = min_required
+    result.alternatives = sorted(
+        (c for c in evaluated if c is not chosen),
+        key=lambda c: (c.knobs.tier(optimizer, seq_len), -c.predicted_samples_per_second),
+    )[:5]
+    if profile is not None:
+        result.data = {"source": profile.source, "samples": len(profile.lengths)}
+    result.explanation = notes + _explain(job, result, profile, allowed)
+    if chosen is None:
+        result.suggestions = _suggest(job, result, allowed, precisions, optimizers, lengths, ranks)
+    return result
+
+
+def _min_required(
+    job: _Job,
+    precisions: Sequence[str],
+    optimizers: Sequence[str],
+    lengths: Sequence[int],
+    ranks: Sequence[int],
+) -> tuple[int, str]:
+    """The least memory any allowed configuration needs, and the precision that needs it: every
+    lever at its most frugal, the smallest micro-batch, each precision and optimizer tried (which
+    is smaller depends on the model: mixed precision halves activations but adds a half-precision
+    copy of the weights)."""
+    need, precision = min(
+        (job.peak(Knobs(p, True, o, min(lengths), max(ranks)), 1), p)
+        for p in precisions
+        for o in optimizers
+    )
+    job.frugal_precision = precision
+    return need, precision
+
+
+def _gib(n: float) -> str:
+    return format_bytes(int(n))
+
+
+def _explain(
+    job: _Job, result: Plan, profile: DataProfile | None, allowed: Sequence[str]
+) -> list[str]:
+    lines: list[str] = []
+    usable = job.usable
+    c = result.chosen
+    if c is None:
+        lines.append(
+            f"Nothing fits in {_gib(usable)} ({_gib(result.budget_bytes)} less the safety margin): "
+            f"the least any allowed configuration needs is {_gib(result.min_required_bytes)}."
+        )
+        return lines
+    k = c.knobs
+    if job.in_batch_negatives:
+        if c.mini_batch_size:
+            lines.append(
+                f"{c.loss} with mini-batch {c.mini_batch_size}: the whole batch of {c.micro_batch_size} "
+                f"per GPU is one step, embedded {c.mini_batch_size} rows at a time: "
+                f"{_gib(c.predicted_peak_bytes)} of {_gib(result.budget_bytes)}."
+            )
+            lines.append(
+                f"{job.loss} compares every sample with the rest of its batch, so gradient "
+                "accumulation would shrink the batch each comparison sees and change the objective; "
+                "the cached (GradCache) loss keeps the full batch at one mini-batch's memory, for "
+                "one more forward pass."
+            )
+        else:
+            lines.append(
+                f"The whole batch of {c.micro_batch_size} per GPU fits at once: "
+                f"{_gib(c.predicted_peak_bytes)} of {_gib(result.budget_bytes)}."
+            )
+    else:
+        lines.append(
+            f"micro-batch {c.micro_batch_size} × accumulate {c.gradient_accumulation_steps}"
+            + (f" × {c.world_size} GPUs" if c.world_size > 1 else "")
+            + f" = {job.per_rank * job.world_size}: {_gib(c.predicted_peak_bytes)} of "
+            f"{_gib(result.budget_bytes)} ({_gib(usable)} after the {result.safety_margin:.0%} margin)."
+        )
+    per_rank = job.per_rank
+    larger = [m for m in _divisors(per_rank) if m > (c.mini_batch_size or c.micro_batch_size)]
+    if larger and not (job.in_batch_negatives and not c.mini_batch_size):
+        nxt = larger[0]
+        peak = job.peak(k, nxt)
+        lines.append(
+            f"The next larger {'mini' if job.in_batch_negatives else 'micro'}-batch, {nxt}, "
+            f"would need {_gib(peak)}: over the budget."
+        )
+    base = job.speed(k, c.mini_batch_size or c.micro_batch_size)
+    if k.precision != "fp32":
+        fp32 = job.speed(
+            dataclasses.replace(k, precision="fp32"), c.mini_batch_size or c.micro_batch_size
+        )
+        lines.append(
+            f"{k.precision} mixed precision (fp32 master weights"
+            + (", loss scaling" if k.precision == "fp16" else "")
+            + f"): about {base / fp32:.1f}× the throughput of fp32 on the {job.gpu.name}."
+        )
+    if k.gradient_checkpointing:
+        no_ckpt = [
+            e
+            for e in result.alternatives
+            if e.knobs == dataclasses.replace(k, gradient_checkpointing=False)
+        ]
+        if no_ckpt:
+            alt = no_ckpt[0]
+            lines.append(
+                f"Gradient checkpointing is on: it lets micro-batch {c.mini_batch_size or c.micro_batch_size} fit and "
+                f"recomputes the forward (about a third more compute), which still beats micro-batch "
+                f"{alt.mini_batch_size or alt.micro_batch_size} without it "
+                f"({c.predicted_samples_per_second:.1f} vs {alt.predicted_samples_per_second:.1f} samples/s)."
+            )
+        else:
+            lines.append(
+                "Gradient checkpointing is on: without it not even the smallest micro-batch fits."
+            )
+    else:
+        with_ckpt = job.speed(
+            dataclasses.replace(k, gradient_checkpointing=True),
+            c.mini_batch_size or c.micro_batch_size,
+        )
+        lines.append(
+            f"Checkpointing not needed; at this micro-batch it would cost "
+            f"{(1 - with_ckpt / base) * 100:.0f} % throughput."
+        )
+    if k.optimizer != job.base_optimizer:
+        lines.append(
+            f"Optimizer {k.optimizer} instead of {job.base_optimizer} (allowed): its state is smaller; "
+            "updates differ slightly from full-precision AdamW."
+        )
+    if k.max_seq_len < job.seq_len:
+        if profile is not None:
+            lost = profile.tokens_lost(k.max_seq_len, job.seq_len)
+            share = profile.samples_truncated(k.max_seq_len)
+            lines.append(
+                f"Truncation to {k.max_seq_len} tokens (allowed) cuts {lost:.1%} of the training "
+                f"tokens and shortens {share:.1%} of the samples (from {profile.source})."
+            )
+        else:
+            lines.append(
+                f"Truncation to {k.max_seq_len} tokens (allowed): give --train-file to learn how "
+                "many tokens it cuts."
+            )
+    if k.lora_rank:
+        lines.append(
+            f"LoRA rank {k.lora_rank} (allowed): only the adapters"
+            + (" and the head" if job.task == "classification" else "")
+            + " train; the base model stays frozen."
+        )
+    lines.append(
+        f"Predicted throughput {c.predicted_samples_per_second:.1f} samples/s "
+        f"(cost model: 6·params·tokens FLOPs plus recompute, on the {job.gpu.name}'s "
+        f"{job.gpu.flops_per_second(k.precision) / 1e12:.0f} TFLOP/s {k.precision} peak)."
+    )
+    command = result.estimate_command()
+    if command:
+        lines.append(f"Re-check: {command}")
+    return lines
+
+
+def _suggest(
+    job: _Job,
+    result: Plan,
+    allowed: Sequence[str],
+    precisions: Sequence[str],
+    optimizers: Sequence[str],
+    lengths: Sequence[int],
+    ranks: Sequence[int],
+) -> list[str]:
+    out: list[str] = []
+    need = result.min_required_bytes
+    margin = result.safety_margin
+    bigger = [
+        g
+        for g in catalog().values()
+        if g.memory_bytes * (1 - margin) >= need and g.memory_bytes > result.budget_bytes
+    ]
+    if bigger:
+        g = bigger[0]
+        out.append(
+            f"A GPU with more memory: the {g.name} ({format_bytes(g.memory_bytes)}, --gpu {g.id}) "
+            f"holds the least configuration, {format_bytes(need)}."
+        )
+    else:
+        out.append(f"No GPU in the catalog holds {format_bytes(need)} on its own.")
+    if job.in_batch_negatives:
+        out.append(
+            "More GPUs (--world-size) split the batch, but each GPU then sees fewer in-batch "
+            "negatives unless embeddings are gathered across GPUs."
+        )
+    else:
+        out.append(
+            "More GPUs with plain data parallelism do not lower the memory per GPU (each holds the "
+            "whole model and optimizer); sharding them (FSDP, DeepSpeed ZeRO) would."
+        )
+
+    def least(optimizer_names: Sequence[str], length: int, rank: int) -> str:
+        # at the precision that needed least without the lever (one trace per lever, not two)
+        need = min(
+            job.peak(Knobs(job.frugal_precision, True, o, length, rank), 1) for o in optimizer_names
+        )
+        verdict = "fits" if need <= job.usable else "still over"
+        return f"{format_bytes(need)} ({verdict})"
+
+    if "optimizer" not in allowed:
+        out.append(
+            "--allow optimizer (Adafactor or 8-bit AdamW): the least configuration would need "
+            + least(["adafactor"], min(lengths), max(ranks))
+            + "."
+        )
+    if "lora" not in allowed:
+        out.append(
+            f"--allow lora (rank {LORA_RANK} adapters, base frozen): the least configuration "
+            "would need " + least(optimizers, min(lengths), LORA_RANK) + "."
+        )
+    if "truncation" not in allowed:
+        short = max(8, job.seq_len // 2 // 8 * 8)
+        if short < job.seq_len:
+            out.append(
+                f"--allow truncation (e.g. to {short} tokens): the least configuration would "
+                "need " + least(optimizers, short, max(ranks)) + "."
+            )
+    return out

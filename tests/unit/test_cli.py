@@ -1,0 +1,122 @@
+"""The command line: JSON contracts, exit codes, one-line errors, the written run config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memfit.cli import main
+from memfit.config import load_config
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_with_plan_knobs(capsys: pytest.CaptureFixture[str], tiny_bert: str) -> None:
+    code, out, _ = run(
+        capsys,
+        "estimate", tiny_bert, "--task", "sentence-embedding", "--batch-size", "32",
+        "--seq-len", "64", "--loss", "cached-mnrl", "--mini-batch-size", "8",
+        "--lora-rank", "4", "--max-seq-len", "48", "--world-size", "2", "--gpu", "a10g", "--json",
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert sum(d["breakdown"].values()) == d["total_bytes"]
+    assert d["budget_bytes"] == 23_687_987_200 or d["budget_bytes"] > 20 << 30
+    assert d["details"]["mini_batch_size"] == 8 and d["details"]["lora_rank"] == 4
+    assert d["details"]["effective_seq_len"] == 48 and d["details"]["world_size"] == 2
+
+
+def test_plan_json_and_config_round_trip(
+    capsys: pytest.CaptureFixture[str], tiny_bert: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.yaml"
+    code, out, _ = run(
+        capsys,
+        "plan", tiny_bert, "--task", "classification", "--seq-len", "64",
+        "--effective-batch-size", "32", "--gpu", "t4", "--json", "--write-config", str(config),
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert d["fits"] and d["plan"]["precision"] == "fp16"  # a T4 has no bf16
+    loaded = load_config(config)
+    assert loaded["model"] == tiny_bert and loaded["task"] == "classification"
+    for key, value in d["plan"].items():
+        if value is not None:
+            assert loaded[key] == value
+
+
+def test_plan_nothing_fits_exits_3_with_json(
+    capsys: pytest.CaptureFixture[str], tiny_gpt2: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.yaml"
+    code, out, err = run(
+        capsys,
+        "plan", tiny_gpt2, "--task", "causal-lm", "--seq-len", "64", "--effective-batch-size",
+        "8", "--gpu-memory", "100MB", "--json", "--write-config", str(config),
+    )  # fmt: skip
+    assert code == 3
+    d = json.loads(out)
+    assert d["fits"] is False and d["plan"] is None and d["suggestions"]
+    assert not config.exists()  # nothing half-written
+    assert "not written" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--gpu-memory", "-1GiB"], "--gpu-memory"),
+        (["--gpu-memory", "16GiB", "--allow", "teleport"], "--allow"),
+        (["--gpu", "potato"], "--gpu"),
+        (["--gpu-memory", "16GiB", "--effective-batch-size", "0"], "--effective-batch-size"),
+        (["--gpu-memory", "16GiB", "--train-file", "x.csv"], "--text-column"),
+    ],
+)
+def test_plan_bad_input_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], tiny_bert: str, argv: list[str], flag: str
+) -> None:
+    base = ["plan", tiny_bert, "--task", "classification", "--seq-len", "64"]
+    if "--effective-batch-size" not in argv:
+        base += ["--effective-batch-size", "8"]
+    code, out, err = run(capsys, *base, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("memfit: error:") and flag in err and err.count("\n") == 1
+
+
+def test_plan_truncation_reports_tokens_lost(
+    capsys: pytest.CaptureFixture[str], tiny_bert: str, tmp_path: Path
+) -> None:
+    from memfit.plan import DataProfile
+    from memfit.plan.planner import plan
+
+    profile = DataProfile(tuple([20] * 90 + [120] * 10))
+    assert profile.tokens_lost(64, 128) == pytest.approx(10 * 56 / (90 * 20 + 10 * 120))
+    job = {"task": "classification", "seq_len": 128, "effective_batch_size": 16}
+    without = plan(tiny_bert, gpu_memory="64MiB", **job).min_required_bytes
+    p = plan(
+        tiny_bert,
+        gpu_memory=int(without * 0.999 / 0.95),
+        allow=["truncation"],
+        data_profile=profile,
+        **job,
+    )
+    if p.fits and p.plan["max_seq_len"] < 128:
+        assert any("cuts" in line and "%" in line for line in p.explanation)
+
+
+def test_gpus_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "gpus", "--json")
+    assert code == 0
+    ids = {g["id"] for g in json.loads(out)}
+    for required in ("t4", "v100-16gb", "v100-32gb", "a10g", "l4", "a100-40gb", "a100-80gb",
+                     "h100-80gb", "rtx3090", "rtx4090"):  # fmt: skip
+        assert required in ids
