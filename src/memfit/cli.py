@@ -294,7 +294,7 @@ def models_command(
 
 @app.command("demo")
 def demo_command() -> None:
-    """Estimate a known fine-tuning job: bert-base-uncased, batch 32 × 128 tokens, on a 16 GiB GPU."""
+    """Estimate a known fine-tuning job (bert-base-uncased on a 16 GiB GPU), then plan it into 4 GiB."""
     from memfit.estimate import estimate
     from memfit.report.console import print_estimate
 
@@ -321,6 +321,25 @@ def demo_command() -> None:
     typer.echo(
         f"With --precision bf16 the same step needs {format_bytes(bf16.total_bytes)} "
         f"({(1 - bf16.total_bytes / result.total_bytes) * 100:.0f} % less)."
+    )
+    from memfit.plan import plan
+    from memfit.report.console import print_plan
+
+    typer.echo(
+        "\nOn a 4 GiB budget, with 256 tokens and an effective batch of 64, the plan keeps the batch:"
+    )
+    typer.echo(
+        "$ memfit plan bert-base-uncased --task classification --seq-len 256 "
+        "--effective-batch-size 64 --gpu-memory 4GiB"
+    )
+    print_plan(
+        plan(
+            "bert-base-uncased",
+            task="classification",
+            seq_len=256,
+            effective_batch_size=64,
+            gpu_memory="4GiB",
+        )
     )
 
 
