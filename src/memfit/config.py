@@ -29,6 +29,7 @@ JOB_KEYS = (
     "tokenizer",
     "attn_implementation",
 )
+# the ``plan`` object of ``memfit plan --json`` (a contract), plus the LoRA rank
 PLAN_KEYS = (
     "micro_batch_size",
     "gradient_accumulation_steps",
@@ -37,12 +38,12 @@ PLAN_KEYS = (
     "gradient_checkpointing",
     "optimizer",
     "max_seq_len",
+    "loss",
     "mini_batch_size",
     "max_tokens_per_micro_batch",
-    "lora_rank",
 )
 RECORD_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes")
-KNOWN_KEYS = (*JOB_KEYS, *PLAN_KEYS, *RECORD_KEYS)
+KNOWN_KEYS = tuple(dict.fromkeys((*JOB_KEYS, *PLAN_KEYS, "lora_rank", *RECORD_KEYS)))
 REQUIRED_KEYS = ("model", "task", "seq_len", "micro_batch_size", "gradient_accumulation_steps")
 
 

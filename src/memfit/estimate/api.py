@@ -116,17 +116,7 @@ def validate(
             problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
     if lora_rank is not None and (not _whole(lora_rank, minimum=0)):
         problems.append(f"--lora-rank: must be a whole number ≥ 0, got {lora_rank!r}")
-    resolved_loss = "cross-entropy"
-    if task in workload.TASKS:
-        resolved_loss = (
-            workload.DEFAULT_LOSS[task]
-            if loss is None
-            else workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
-        )
-        if resolved_loss not in workload.LOSSES[task]:
-            problems.append(
-                f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(workload.LOSSES[task])}"
-            )
+    resolved_loss = workload.resolve_loss(task, loss, problems)
     if mini_batch_size is not None and resolved_loss != "cached-mnrl":
         problems.append("--mini-batch-size: only the cached loss (--loss cached-mnrl) has one")
     spec = StepSpec(

@@ -54,6 +54,20 @@ LOSS_ALIASES = {
     "ce": "cross-entropy",
     "cross_entropy": "cross-entropy",
 }
+
+
+def resolve_loss(task: str, loss: str | None, problems: list[str]) -> str:
+    """The canonical loss name for ``task`` (its default when None); a problem if it has none."""
+    if task not in TASKS:
+        return "cross-entropy"
+    resolved = DEFAULT_LOSS[task] if loss is None else LOSS_ALIASES.get(loss.lower(), loss.lower())
+    if resolved not in LOSSES[task]:
+        problems.append(
+            f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(LOSSES[task])}"
+        )
+    return resolved
+
+
 # sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
 MNRL_SCALE = 20.0
 COSENT_SCALE = 20.0

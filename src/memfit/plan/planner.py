@@ -31,18 +31,6 @@ from memfit.plan.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.plan.data_profile import DataProfile
 from memfit.units import format_bytes, parse_size
 
-PLAN_KEYS = (
-    "micro_batch_size",
-    "gradient_accumulation_steps",
-    "world_size",
-    "precision",
-    "gradient_checkpointing",
-    "optimizer",
-    "max_seq_len",
-    "loss",
-    "mini_batch_size",
-    "max_tokens_per_micro_batch",
-)
 LEVERS = ("optimizer", "truncation", "lora")  # what --allow accepts, least harmful first
 LORA_RANK = 8
 SWAP_OPTIMIZERS = ("adamw-8bit", "adafactor")
@@ -363,17 +351,7 @@ def plan(
         problems.append(
             f"--optimizer: unknown value {optimizer!r}; choose one of {', '.join(workload.OPTIMIZERS)}"
         )
-    resolved_loss = "cross-entropy"
-    if task in workload.TASKS:
-        resolved_loss = (
-            workload.DEFAULT_LOSS[task]
-            if loss is None
-            else workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
-        )
-        if resolved_loss not in workload.LOSSES[task]:
-            problems.append(
-                f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(workload.LOSSES[task])}"
-            )
+    resolved_loss = workload.resolve_loss(task, loss, problems)
     if resolved_loss == "cached-mnrl":
         resolved_loss = "mnrl"  # the plan decides whether to cache
     budget: int | None = None
