@@ -241,6 +241,9 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
         cases = build_cases(MATRIX_MODELS, precisions)
     if models is not None:
         cases = [c for c in cases if c.model in models]
+    if args.only:
+        # numbers as --list prints them, in the order given (a re-run of some cases)
+        cases = [cases[i - 1] for i in args.only if 1 <= i <= len(cases)]
     return cases if args.limit is None else cases[: args.limit]
 
 
@@ -1583,6 +1586,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--quick", action="store_true", help=f"{len(QUICK_CASES)} cases instead of the matrix"
     )
     parser.add_argument("--limit", type=int, default=None, help="run only the first N cases")
+    parser.add_argument(
+        "--only",
+        type=lambda text: [int(x) for x in text.split(",") if x.strip()],
+        default=None,
+        help="comma-separated case numbers as --list prints them, run in that order",
+    )
     parser.add_argument(
         "--out",
         default=None,

@@ -96,6 +96,12 @@ def estimate_command(
         str | None,
         typer.Option(help="A catalog GPU (memfit gpus): its memory is the budget."),
     ] = None,
+    gradient_accumulation_steps: Annotated[
+        int,
+        typer.Option(
+            help="Micro-batches per optimizer step: the later ones run beside the gradients."
+        ),
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Predict the peak memory of one steady-state training (or eval) step, offline."""
@@ -120,6 +126,7 @@ def estimate_command(
         max_seq_len=max_seq_len,
         world_size=world_size,
         gpu=gpu,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))

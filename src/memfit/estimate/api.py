@@ -158,6 +158,7 @@ def estimate(
     max_seq_len: int | None = None,
     world_size: int = 1,
     gpu: str | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
@@ -170,6 +171,8 @@ def estimate(
     (truncation: sequences are cut to it) and ``world_size`` (data-parallel ranks: memory is per
     rank, with DDP's gradient buckets). ``gpu`` names a catalog GPU (see ``memfit plan --gpu``):
     its generation's cuBLAS workspace, and its memory as the budget unless ``gpu_memory`` is given.
+    ``gradient_accumulation_steps`` > 1: the micro-batches after the first run forward and
+    backward while the gradients of the earlier ones are alive (and add theirs in place).
     """
     from memfit.models import resolve_model
 
@@ -218,9 +221,18 @@ def estimate(
             f"--seq-len: {seq_len} is beyond the {model_spec.max_positions} positions {model_spec.name} can use; "
             f"use --seq-len {model_spec.max_positions} or less"
         )
+    if (
+        not isinstance(gradient_accumulation_steps, int)
+        or isinstance(gradient_accumulation_steps, bool)
+        or gradient_accumulation_steps < 1
+    ):
+        problems.append(
+            f"--gradient-accumulation-steps: expected a whole number ≥ 1, got {gradient_accumulation_steps!r}"
+        )
     if problems:
         raise UsageError("; ".join(problems))
     assert model_spec is not None
+    accumulate = gradient_accumulation_steps > 1 and spec.mode == "train"
     spec = StepSpec(**{**spec.__dict__, "gradient_checkpointing": bool(gradient_checkpointing)})
 
     started = time.perf_counter()
@@ -235,7 +247,9 @@ def estimate(
         traced_batch = mini
         extra_rows = batch_size - mini * spec.cached_chunks
     traced = _traced(model_spec, spec)
-    peak = traced.replay(traced_batch, seq_len, world_size=world_size or 1, profile=profile)
+    peak = traced.replay(
+        traced_batch, seq_len, world_size=world_size or 1, profile=profile, accumulate=accumulate
+    )
     if extra_rows and peak.phase != "optimizer_step":
         peak = _with_cached_rows(peak, extra_rows, model_spec.config, spec)
     total = peak.total_bytes
@@ -244,6 +258,7 @@ def estimate(
         "trainable_parameters": traced.trace.trainable_parameters,
         "effective_seq_len": seq_len,
         "world_size": world_size or 1,
+        "gradient_accumulation_steps": gradient_accumulation_steps if spec.mode == "train" else 1,
         "allocated_peak_bytes": peak.allocated_peak_bytes,
         "reserved_peak_bytes": peak.reserved_peak_bytes,
         "context_bytes": peak.context_bytes,
@@ -316,13 +331,14 @@ class _Traced:
         seq_len: int,
         world_size: int = 1,
         profile: dev.CudaProfile | None = None,
+        accumulate: bool = False,
     ) -> _Peak:
         variant = self._variant(batch_size, seq_len)
         if variant is not self:
-            return variant.replay(batch_size, seq_len, world_size, profile)
+            return variant.replay(batch_size, seq_len, world_size, profile, accumulate)
         if self.fitted is None:
             exact = self._exact_trace(batch_size, seq_len)
-            return exact.replay(batch_size, seq_len, world_size, profile)
+            return exact.replay(batch_size, seq_len, world_size, profile, accumulate)
         fb_sizes = self.fitted.sizes(batch_size, seq_len).tolist()
         return _replay(
             self.trace,
@@ -331,6 +347,7 @@ class _Traced:
             self.spec,
             profile or self.profile,
             world_size,
+            accumulate,
         )
 
     def _variant(self, batch_size: int, seq_len: int) -> _Traced:
@@ -582,6 +599,7 @@ def _replay(
     spec: StepSpec,
     profile: dev.CudaProfile,
     world_size: int = 1,
+    accumulate: bool = False,
 ) -> _Peak:
     optimizer_segments = (
         (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
@@ -595,8 +613,10 @@ def _replay(
         else []
     )
     if spec.device == "cpu":
-        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, buckets)
-    return _replay_cuda(trace, fb, fb_sizes, optimizer_segments, spec, profile, buckets, world_size)
+        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, buckets, accumulate)
+    return _replay_cuda(
+        trace, fb, fb_sizes, optimizer_segments, spec, profile, buckets, world_size, accumulate
+    )
 
 
 DDP_FIRST_BUCKET = 1 << 20
@@ -640,7 +660,13 @@ def _replay_cpu(
     opt: Segment | None,
     spec: StepSpec,
     buckets: list[int],
+    accumulate: bool = False,
 ) -> _Peak:
+    """The steady-state step on the CPU: resident tensors, then forward/backward and optimizer.
+
+    ``accumulate``: a second forward/backward (a later micro-batch) runs while the first one's
+    gradients are alive; its own gradients are added in place, so each is a transient.
+    """
     sizes = trace.resident_sizes
     cats = trace.resident_categories
     resident_ids = trace.steady if spec.mode == "train" else trace.initial
@@ -657,10 +683,13 @@ def _replay_cpu(
     best_phase = "forward"
     phase = "forward"
     fb_cats = fb.categories
-    segments: list[tuple[Segment, list[int]]] = [(fb, fb_sizes)]
+    grads = CAT["gradients"]
+    segments: list[tuple[Segment, list[int], bool]] = [(fb, fb_sizes, False)]
+    if accumulate:
+        segments.append((fb, fb_sizes, True))
     if opt is not None:
-        segments.append((opt, opt.sizes))
-    for seg, seg_sizes in segments:
+        segments.append((opt, opt.sizes, False))
+    for seg, seg_sizes, transient_grads in segments:
         seg_cats = seg.categories
         for kind, ref in seg.events:
             if kind == ALLOC:
@@ -669,6 +698,11 @@ def _replay_cpu(
                 rounded += dev.cpu_allocation_bytes(size)
                 if rounded > best:
                     best, best_raw, best_phase = rounded, list(raw), phase
+                if transient_grads and seg_cats[ref] == grads:
+                    raw[grads] -= size
+                    rounded -= dev.cpu_allocation_bytes(size)
+                continue
+            if transient_grads and kind == FREE and seg_cats[ref] == grads:
                 continue
             if kind == MARK:
                 phase = _PHASE_NAMES[ref]
@@ -696,6 +730,7 @@ def _replay_cuda(
     profile: dev.CudaProfile,
     buckets: list[int],
     world_size: int,
+    accumulate: bool = False,
 ) -> _Peak:
     allocator = dev.CachingAllocator()
     sizes = trace.resident_sizes
@@ -709,11 +744,15 @@ def _replay_cuda(
     for size in buckets:
         allocator.malloc(size)
         raw[CAT["gradients"]] += size
-    # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process
-    workspace = profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes
-    allocator.malloc(profile.cublas_workspace_bytes)
-    if profile.cublaslt_workspace_bytes:
-        allocator.malloc(profile.cublaslt_workspace_bytes)
+    # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process.
+    # Handles are per thread: backward runs on the autograd engine's device thread, whose first
+    # matmul creates a second workspace
+    threads = 2 if spec.mode == "train" else 1
+    workspace = threads * (profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes)
+    for _ in range(threads):
+        allocator.malloc(profile.cublas_workspace_bytes)
+        if profile.cublaslt_workspace_bytes:
+            allocator.malloc(profile.cublaslt_workspace_bytes)
 
     first_opt, steady_opt = optimizer_segments
     state: dict[str, Any] = {"phase": "forward", "best": -1, "raw": list(raw), "at": "forward"}
@@ -724,9 +763,13 @@ def _replay_cuda(
         prev: list[int] | None,
         globals_: list[int] | None,
         track: bool,
+        transient_grads: bool = False,
     ) -> list[int]:
+        # transient_grads: a later micro-batch of an accumulated step, whose gradients are
+        # computed and added in place into the first micro-batch's (alive all along)
         local = [0] * len(seg_sizes)
         seg_cats = seg.categories
+        grads = CAT["gradients"]
         for kind, ref in seg.events:
             if kind == ALLOC:
                 size = seg_sizes[ref]
@@ -740,6 +783,12 @@ def _replay_cuda(
                         list(raw),
                         state["phase"],
                     )
+                if transient_grads and seg_cats[ref] == grads:
+                    allocator.free(local[ref])
+                    raw[grads] -= size
+                continue
+            if transient_grads and kind == FREE and seg_cats[ref] == grads:
+                continue
             elif kind == MARK:
                 state["phase"] = _PHASE_NAMES[ref]
             elif kind == FREE:
@@ -758,9 +807,13 @@ def _replay_cuda(
         assert first_opt is not None and steady_opt is not None
         # step 1 creates the optimizer state; step 2 is the steady state we report
         fb_handles = run(fb, fb_sizes, None, None, False)
+        if accumulate:
+            run(fb, fb_sizes, None, None, False, transient_grads=True)
         run(first_opt, first_opt.sizes, fb_handles, trace.first_optimizer_globals, False)
         allocator.max_allocated, allocator.max_reserved = allocator.allocated, allocator.reserved
         fb_handles = run(fb, fb_sizes, None, None, True)
+        if accumulate:
+            run(fb, fb_sizes, None, None, True, transient_grads=True)
         run(steady_opt, steady_opt.sizes, fb_handles, None, True)
     else:
         run(fb, fb_sizes, None, None, False)  # a first batch warms the cache
@@ -772,11 +825,10 @@ def _replay_cuda(
     breakdown["allocator_overhead"] = reserved - sum(best_raw) - workspace
     # NCCL's communicator buffers live outside the caching allocator
     nccl = profile.nccl_bytes if world_size > 1 else 0
-    breakdown["runtime_overhead"] = profile.context_bytes + workspace + nccl
-    total = reserved + profile.context_bytes + nccl
-    return _Peak(
-        total, breakdown, str(state["at"]), allocator.max_allocated, reserved, profile.context_bytes
-    )
+    context = profile.context_for(spec.mode, spec.precision, spec.attn_implementation)
+    breakdown["runtime_overhead"] = context + workspace + nccl
+    total = reserved + context + nccl
+    return _Peak(total, breakdown, str(state["at"]), allocator.max_allocated, reserved, context)
 
 
 def clear_cache() -> None:

@@ -116,8 +116,14 @@ class BiEncoder(nn.Module):
         return summed / counts
 
 
-def build_model(config: Any, spec: StepSpec) -> nn.Module:
-    """Instantiate the task model from an architecture config (random weights, no download)."""
+def build_model(
+    config: Any, spec: StepSpec, *, checkpoint_context_fn: Callable[[], Any] | None = None
+) -> nn.Module:
+    """Instantiate the task model from an architecture config (random weights, no download).
+
+    ``checkpoint_context_fn``: passed to ``torch.utils.checkpoint`` as ``context_fn`` (the tracer
+    uses it to recompute under the modes of the traced step); real runs leave it out.
+    """
     import transformers
 
     config = _task_config(config, spec)
@@ -135,13 +141,16 @@ def build_model(config: Any, spec: StepSpec) -> nn.Module:
         target: Any = model.transformer if isinstance(model, BiEncoder) else model
         # non-reentrant checkpointing: what PyTorch recommends and what memfit train uses
         # (newer transformers renamed the method; older versions only have the first name)
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if checkpoint_context_fn is not None:
+            kwargs["context_fn"] = checkpoint_context_fn
         if hasattr(target, "activation_checkpointing_enable"):
             target.activation_checkpointing_enable(  # type: ignore[operator]
-                activation_checkpointing_kwargs={"use_reentrant": False}
+                activation_checkpointing_kwargs=kwargs
             )
         else:
             target.gradient_checkpointing_enable(  # type: ignore[operator]
-                gradient_checkpointing_kwargs={"use_reentrant": False}
+                gradient_checkpointing_kwargs=kwargs
             )
     if spec.lora_rank:
         with warnings.catch_warnings():

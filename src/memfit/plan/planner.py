@@ -153,6 +153,8 @@ class Plan:
             parts.append(f"--loss {s['loss']}")
         if s["mini_batch_size"]:
             parts.append(f"--mini-batch-size {s['mini_batch_size']}")
+        if s["gradient_accumulation_steps"] > 1:
+            parts.append(f"--gradient-accumulation-steps {s['gradient_accumulation_steps']}")
         if s["gradient_checkpointing"]:
             parts.append("--gradient-checkpointing")
         if s["max_seq_len"] < self.seq_len:
@@ -204,6 +206,9 @@ class _Job:
                     kwargs["mini_batch_size"] = micro
                 else:
                     loss = self.loss
+            else:
+                # the later micro-batches run while the earlier ones' gradients are alive
+                kwargs["gradient_accumulation_steps"] = self.per_rank // micro
             result = estimate(
                 self.model,
                 task=self.task,

@@ -104,10 +104,32 @@ def test_eight_bit_adamw_state_is_a_quarter(tiny_bert: str) -> None:
     assert 0.25 <= ratio < 0.45
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_accumulated_micro_batches_run_beside_the_gradients(tiny_bert: str, device: str) -> None:
+    # a later micro-batch's forward runs while the earlier ones' gradients are alive; its own
+    # gradients are added in place, so the peak grows by at most one set of gradients
+    kw = dict(task="classification", batch_size=8, seq_len=64, device=device)
+    one = estimate(tiny_bert, **kw)
+    four = estimate(tiny_bert, gradient_accumulation_steps=4, **kw)
+    grads = one.breakdown["parameters"]  # fp32 gradients of every parameter
+    assert one.total_bytes < four.total_bytes <= one.total_bytes + grads + 2 * 2**20
+    assert four.breakdown["gradients"] >= grads
+    assert four.details["gradient_accumulation_steps"] == 4
+    # two or eight micro-batches: the same steady state
+    assert estimate(tiny_bert, gradient_accumulation_steps=2, **kw).total_bytes == four.total_bytes
+    # eval has no gradients to keep
+    eval_kw = kw | dict(mode="eval")
+    assert (
+        estimate(tiny_bert, gradient_accumulation_steps=4, **eval_kw).total_bytes
+        == estimate(tiny_bert, **eval_kw).total_bytes
+    )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(batch_size=0), r"--batch-size: must be a whole number ≥ 1, got 0"),
+        (dict(gradient_accumulation_steps=0), r"--gradient-accumulation-steps: expected a whole"),
         (dict(seq_len=-3), r"--seq-len: must be a whole number ≥ 1"),
         (dict(seq_len=513), r"--seq-len: 513 is beyond the 512 positions"),
         (dict(precision="fp8"), r"--precision: unknown value 'fp8'"),

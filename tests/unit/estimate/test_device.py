@@ -82,3 +82,30 @@ def test_hopper_has_the_32_mib_cublas_workspace() -> None:
 def test_cpu_pages() -> None:
     assert cpu_allocation_bytes(100 * MiB) == 100 * MiB + 4096
     assert cpu_allocation_bytes(100) < 4096
+
+
+def test_context_grows_with_the_kernels_a_step_loads() -> None:
+    # lazy module loading: a training step loads backward and optimizer kernels on top of an eval
+    # step's; half-precision SDPA loads the flash-attention kernels (eager attention does not)
+    profile = cuda_profile((9, 0), "2.11.0")
+    eval_fp32 = profile.context_for("eval", "fp32", "sdpa")
+    train_fp32 = profile.context_for("train", "fp32", "sdpa")
+    train_bf16 = profile.context_for("train", "bf16", "sdpa")
+    assert eval_fp32 < train_fp32 < train_bf16
+    assert profile.context_for("train", "bf16", "eager") == train_fp32
+    assert eval_fp32 < profile.context_for("eval", "bf16", "sdpa") < train_bf16
+    # GPUs without flash attention (before sm80) never load its kernels
+    assert cuda_profile((7, 5), "2.11.0").context_for("train", "fp16", "sdpa") == train_fp32
+
+
+def test_a_training_step_holds_a_cublas_workspace_per_thread() -> None:
+    from memfit.estimate import estimate
+
+    kwargs = dict(task="classification", batch_size=2, seq_len=32, device="cuda")
+    train = estimate("bert-base-uncased", **kwargs)  # type: ignore[arg-type]
+    workspace = train.breakdown["runtime_overhead"] - train.details["context_bytes"]
+    profile = cuda_profile()  # what estimate uses: the GPU present, else the generic profile
+    one = profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes
+    assert workspace == 2 * one
+    evaluated = estimate("bert-base-uncased", mode="eval", **kwargs)  # type: ignore[arg-type]
+    assert evaluated.breakdown["runtime_overhead"] - evaluated.details["context_bytes"] == one
