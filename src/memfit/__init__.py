@@ -21,4 +21,11 @@ def plan(model: str, **kwargs: Any) -> Any:
     return _plan(model, **kwargs)
 
 
-__all__ = ["__version__", "estimate", "plan"]
+def train(config: Any = None, /, **kwargs: Any) -> Any:
+    """Fine-tune under the OOM guard; see :func:`memfit.train.run.train` (same knobs as the CLI)."""
+    from memfit.train.run import train as _train
+
+    return _train(config, **kwargs)
+
+
+__all__ = ["__version__", "estimate", "plan", "train"]

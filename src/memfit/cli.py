@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Annotated, Any
@@ -299,6 +300,165 @@ def models_command(
         typer.echo(f"{row['name']:<50} {row['model_type']:<12} {row['max_positions']}")
 
 
+Opt = typer.Option
+
+
+@app.command("train")
+def train_command(
+    config: Annotated[
+        str | None,
+        typer.Argument(help="A run config (memfit plan --write-config); flags override it."),
+    ] = None,
+    task: Annotated[str | None, Opt(help="classification | causal-lm | sentence-embedding")] = None,
+    model: Annotated[
+        str | None, Opt(help="A Hub id (cached), a model folder or a sentence-transformers folder.")
+    ] = None,
+    train_file: Annotated[str | None, Opt(help="Training data: .csv/.tsv/.jsonl/.json.")] = None,
+    eval_file: Annotated[str | None, Opt(help="Eval data, same columns.")] = None,
+    output_dir: Annotated[str | None, Opt(help="The run folder.")] = None,
+    text_column: Annotated[str | None, Opt(help="Text column (classification, causal-lm).")] = None,
+    label_column: Annotated[str | None, Opt(help="Label column (classification).")] = None,
+    anchor_column: Annotated[str | None, Opt(help="Anchor column (sentence-embedding).")] = None,
+    positive_column: Annotated[
+        str | None, Opt(help="Positive column (sentence-embedding).")
+    ] = None,
+    loss: Annotated[
+        str | None, Opt(help="sentence-embedding: mnrl (default) | cached-mnrl")
+    ] = None,
+    packing: Annotated[bool | None, Opt(help="causal-lm: pack texts into full blocks.")] = None,
+    effective_batch_size: Annotated[
+        int | None, Opt(help="Samples per optimizer step (default 32).")
+    ] = None,
+    epochs: Annotated[int | None, Opt(help="Passes over the data (default 1).")] = None,
+    max_steps: Annotated[int | None, Opt(help="Optimizer steps (instead of --epochs).")] = None,
+    lr: Annotated[float | None, Opt(help="Peak learning rate (default 5e-5).")] = None,
+    weight_decay: Annotated[float | None, Opt(help="AdamW weight decay (default 0).")] = None,
+    warmup_ratio: Annotated[
+        float | None, Opt(help="Share of steps warming up (default 0).")
+    ] = None,
+    lr_scheduler: Annotated[str | None, Opt(help="linear | cosine | constant")] = None,
+    max_grad_norm: Annotated[
+        float | None, Opt(help="Clip the whole step's gradient (default 1.0; 0: off).")
+    ] = None,
+    optimizer: Annotated[str | None, Opt(help="adamw | sgd | adamw-8bit | adafactor")] = None,
+    seed: Annotated[int | None, Opt(help="Random seed (default 42).")] = None,
+    gpu_memory: Annotated[str | None, Opt(help="Plan for this budget, e.g. 16GiB.")] = None,
+    memory_cap: Annotated[
+        str | None, Opt(help="Behave as if the device had only this much memory.")
+    ] = None,
+    save_every: Annotated[int | None, Opt(help="Checkpoint every N optimizer steps.")] = None,
+    save_total_limit: Annotated[int | None, Opt(help="Keep the newest K checkpoints.")] = None,
+    eval_every: Annotated[
+        int | None, Opt(help="Evaluate every N optimizer steps (and at the end).")
+    ] = None,
+    resume: Annotated[bool, Opt(help="Continue from the newest complete checkpoint.")] = False,
+    device: Annotated[str | None, Opt(help="cuda | cpu (default: cuda if present).")] = None,
+    micro_batch_size: Annotated[int | None, Opt(help="Plan key: samples per micro-batch.")] = None,
+    gradient_accumulation_steps: Annotated[
+        int | None, Opt(help="Plan key (follows from the micro-batch).")
+    ] = None,
+    world_size: Annotated[int | None, Opt(help="Plan key: data-parallel ranks (1 here).")] = None,
+    precision: Annotated[str | None, Opt(help="Plan key: fp32 | fp16 | bf16.")] = None,
+    gradient_checkpointing: Annotated[
+        bool | None, Opt(help="Plan key: recompute activations.")
+    ] = None,
+    max_seq_len: Annotated[int | None, Opt(help="Plan key: truncate to this many tokens.")] = None,
+    mini_batch_size: Annotated[int | None, Opt(help="Plan key: cached-mnrl mini-batch.")] = None,
+    max_tokens_per_micro_batch: Annotated[int | None, Opt(help="Plan key (not used yet).")] = None,
+) -> None:
+    """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
+    from memfit.train.run import TrainConfig, train
+    from memfit.units import parse_size
+
+    settings: dict[str, Any] = {}
+    if config is not None:
+        from memfit.config import load_config
+
+        loaded = load_config(config)
+        for key in (
+            "gpu",
+            "budget_bytes",
+            "safety_margin",
+            "predicted_peak_bytes",
+            "tokenizer",
+            "num_labels",
+        ):
+            loaded.pop(key, None)
+        settings.update(loaded)
+    given = {
+        "task": task,
+        "model": model,
+        "train_file": train_file,
+        "eval_file": eval_file,
+        "output_dir": output_dir,
+        "text_column": text_column,
+        "label_column": label_column,
+        "anchor_column": anchor_column,
+        "positive_column": positive_column,
+        "loss": loss,
+        "packing": packing,
+        "effective_batch_size": effective_batch_size,
+        "epochs": epochs,
+        "max_steps": max_steps,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "warmup_ratio": warmup_ratio,
+        "lr_scheduler": lr_scheduler,
+        "max_grad_norm": max_grad_norm,
+        "optimizer": optimizer,
+        "seed": seed,
+        "save_every": save_every,
+        "save_total_limit": save_total_limit,
+        "eval_every": eval_every,
+        "device": device,
+        "micro_batch_size": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "world_size": world_size,
+        "precision": precision,
+        "gradient_checkpointing": gradient_checkpointing,
+        "max_seq_len": max_seq_len,
+        "mini_batch_size": mini_batch_size,
+        "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
+    }
+    settings.update({k: v for k, v in given.items() if v is not None})
+    if gpu_memory is not None:
+        settings["gpu_memory"] = parse_size(gpu_memory, name="--gpu-memory")
+    if memory_cap is not None:
+        settings["memory_cap"] = parse_size(memory_cap, name="--memory-cap")
+    if settings.get("max_grad_norm") == 0:
+        settings["max_grad_norm"] = None
+    # a planned config names the micro-batch; the effective batch follows from the plan keys
+    if settings.get("effective_batch_size") is None and settings.get("micro_batch_size"):
+        settings["effective_batch_size"] = int(settings["micro_batch_size"]) * int(
+            settings.get("gradient_accumulation_steps") or 1
+        )
+    settings.pop("gradient_accumulation_steps", None)
+    missing = [
+        f"--{k.replace('_', '-')}"
+        for k in ("task", "model", "train_file", "output_dir")
+        if not settings.get(k)
+    ]
+    if missing:
+        raise UsageError(
+            f"memfit train needs {', '.join(missing)} (as flags or in the config file)"
+        )
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(k for k in settings if k not in known)
+    if unknown:
+        raise UsageError(f"{config}: settings memfit train does not take: {', '.join(unknown)}")
+    result = train(TrainConfig(**settings, resume=resume))
+    if result.stopped == "signal":
+        typer.echo(
+            f"stopped by a signal after step {result.steps}; a checkpoint is in {result.output_dir}/checkpoints (memfit train ... --resume continues)"
+        )
+    else:
+        metrics = "  ".join(f"{k} {v:.4g}" for k, v in result.eval_metrics.items())
+        typer.echo(
+            f"done: {result.steps} steps, {result.samples_seen} samples; model in {result.output_dir}/model"
+            + (f"; eval: {metrics}" if metrics else "")
+        )
+
+
 @app.command("demo")
 def demo_command() -> None:
     """Estimate a known fine-tuning job (bert-base-uncased on a 16 GiB GPU), then plan it into 4 GiB."""
@@ -348,6 +508,78 @@ def demo_command() -> None:
             gpu_memory="4GiB",
         )
     )
+    _demo_train()
+
+
+def _demo_train() -> None:
+    """Fine-tune all-MiniLM-L6-v2 under a memory cap that makes the first step run out of memory."""
+    import tempfile
+    from pathlib import Path
+
+    from memfit.train.demo import minilm_path, write_pairs
+    from memfit.train.run import TrainConfig, train
+    from memfit.units import format_bytes
+
+    model = minilm_path()
+    folder = Path(tempfile.mkdtemp(prefix="memfit-demo-"))
+    train_file, eval_file = write_pairs(folder)
+
+    def peak(name: str, **knobs: Any) -> int:
+        # two steps (the second holds the AdamW state) with a cap that never bites: live bytes
+        probe = train(
+            TrainConfig(
+                task="sentence-embedding",
+                model=model,
+                train_file=str(train_file),
+                output_dir=str(folder / name),
+                effective_batch_size=32,
+                max_steps=2,
+                memory_cap=1 << 40,
+                max_seq_len=32,
+                device="cpu",
+                quiet=True,
+                **knobs,
+            )
+        )
+        lines = (probe.output_dir / "metrics.jsonl").read_text().splitlines()
+        return max(int(json.loads(x)["peak_bytes"]) for x in lines)
+
+    typer.echo("\nMeasuring what a training step of all-MiniLM-L6-v2 holds (two probe steps)…")
+    cap = (peak("probe-32") + peak("probe-4", mini_batch_size=4)) // 2
+    typer.echo(
+        "Now a real fine-tuning run: all-MiniLM-L6-v2 (sentence-transformers, MNRL) on 36 embedded "
+        f"paraphrase pairs, batch 32, on the CPU capped at {format_bytes(cap)} — less than the whole "
+        "batch needs, so the guard must recover from a real out-of-memory error:"
+    )
+    out = folder / "run"
+    typer.echo(
+        f"$ memfit train --task sentence-embedding --model {model} --train-file {train_file} "
+        f"--eval-file {eval_file} --effective-batch-size 32 --max-steps 4 --memory-cap {cap} "
+        f"--max-seq-len 32 --lr 2e-5 --device cpu --output-dir {out}"
+    )
+    result = train(
+        TrainConfig(
+            task="sentence-embedding",
+            model=model,
+            train_file=str(train_file),
+            eval_file=str(eval_file),
+            output_dir=str(out),
+            effective_batch_size=32,
+            max_steps=4,
+            memory_cap=cap,
+            max_seq_len=32,
+            lr=2e-5,
+            device="cpu",
+        )
+    )
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    ooms = sum(e["type"] == "oom" for e in events)
+    metrics = "  ".join(f"{k} {v:.3f}" for k, v in result.eval_metrics.items())
+    typer.echo(
+        f"done: {result.steps} steps, {result.samples_seen} samples seen (none lost or repeated), "
+        f"{ooms} out-of-memory error(s) survived; eval {metrics}"
+    )
+    typer.echo(f"run folder: {out} (model/, metrics.jsonl, events.jsonl, run.json)")
 
 
 def _fail(message: str, code: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import threading
 import time
@@ -362,6 +363,8 @@ class _Traced:
         if key == (False, True):
             return self
         if key not in self._variants:
+            if _ONLY_CACHED.get():
+                raise NotTraced
             started = time.perf_counter()
             check, grid, second = grid_shapes(
                 self.max_positions, batch_size=1 if key[0] else None, aligned=key[1]
@@ -386,6 +389,8 @@ class _Traced:
         # the fit could not be trusted: trace this very shape (seconds, cached per shape)
         key = (batch_size, seq_len)
         if key not in self._exact:
+            if _ONLY_CACHED.get():
+                raise NotTraced
             started = time.perf_counter()
             trace = _run_trace(self.config, self.spec, [key, key])
             exact = _Traced(
@@ -499,11 +504,32 @@ def save_traces() -> None:
                 traced._dirty = True  # a read-only home: keep working without the cache
 
 
+class NotTraced(Exception):
+    """Raised inside :func:`is_traced` when answering would need a new trace."""
+
+
+_ONLY_CACHED: contextvars.ContextVar[bool] = contextvars.ContextVar("only_cached", default=False)
+
+
+def is_traced(model: str, **knobs: Any) -> bool:
+    """Whether ``estimate(model, **knobs)`` would answer from a trace in memory or on disk."""
+    token = _ONLY_CACHED.set(True)
+    try:
+        estimate(model, **knobs)
+    except NotTraced:
+        return False
+    finally:
+        _ONLY_CACHED.reset(token)
+    return True
+
+
 def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
     key = (model_spec.cache_key(), spec)
     with _LOCK:
         if key not in _CACHE and (loaded := _disk_load(key)) is not None:
             _CACHE[key] = loaded
+        if key not in _CACHE and _ONLY_CACHED.get():
+            raise NotTraced
         if key not in _CACHE:
             started = time.perf_counter()
             check, grid, second = grid_shapes(model_spec.max_positions)

@@ -26,6 +26,7 @@ from typing import Any
 from memfit.errors import UsageError
 from memfit.estimate import workload
 from memfit.estimate.api import estimate
+from memfit.estimate.prefetch import prefetch
 from memfit.plan import cost
 from memfit.plan.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.plan.data_profile import DataProfile
@@ -192,40 +193,43 @@ class _Job:
     def in_batch_negatives(self) -> bool:
         return self.loss in workload.IN_BATCH_NEGATIVE_LOSSES
 
+    def estimate_kwargs(self, knobs: Knobs, micro: int) -> dict[str, Any]:
+        """The ``estimate`` arguments of these knobs at micro-batch (or mini-batch) ``micro``."""
+        kwargs: dict[str, Any] = {}
+        batch = micro
+        loss: str | None = None if self.task != "sentence-embedding" else self.loss
+        if self.in_batch_negatives:
+            batch = self.per_rank
+            if micro < self.per_rank:
+                loss = workload.CACHED_LOSSES.get(self.loss, self.loss)
+                kwargs["mini_batch_size"] = micro
+            else:
+                loss = self.loss
+        else:
+            # the later micro-batches run while the earlier ones' gradients are alive
+            kwargs["gradient_accumulation_steps"] = self.per_rank // micro
+        return dict(
+            task=self.task,
+            batch_size=batch,
+            seq_len=self.seq_len,
+            precision=knobs.precision,
+            optimizer=knobs.optimizer,
+            gradient_checkpointing=knobs.gradient_checkpointing,
+            attn_implementation=self.attn_implementation,
+            num_labels=self.num_labels,
+            loss=loss,
+            lora_rank=knobs.lora_rank or None,
+            max_seq_len=knobs.max_seq_len if knobs.max_seq_len < self.seq_len else None,
+            world_size=self.world_size,
+            gpu=self.gpu_name,
+            **kwargs,
+        )
+
     def peak(self, knobs: Knobs, micro: int) -> int:
         """Predicted peak for these knobs at micro-batch ``micro`` (mini-batch, for the cached loss)."""
         key = (knobs, micro)
         if key not in self._estimates:
-            kwargs: dict[str, Any] = {}
-            batch = micro
-            loss: str | None = None if self.task != "sentence-embedding" else self.loss
-            if self.in_batch_negatives:
-                batch = self.per_rank
-                if micro < self.per_rank:
-                    loss = workload.CACHED_LOSSES.get(self.loss, self.loss)
-                    kwargs["mini_batch_size"] = micro
-                else:
-                    loss = self.loss
-            else:
-                # the later micro-batches run while the earlier ones' gradients are alive
-                kwargs["gradient_accumulation_steps"] = self.per_rank // micro
-            result = estimate(
-                self.model,
-                task=self.task,
-                batch_size=batch,
-                seq_len=self.seq_len,
-                precision=knobs.precision,
-                optimizer=knobs.optimizer,
-                gradient_checkpointing=knobs.gradient_checkpointing,
-                attn_implementation=self.attn_implementation,
-                num_labels=self.num_labels,
-                loss=loss,
-                lora_rank=knobs.lora_rank or None,
-                max_seq_len=knobs.max_seq_len if knobs.max_seq_len < self.seq_len else None,
-                world_size=self.world_size,
-                gpu=self.gpu_name,
-                **kwargs,
-            )
+            result = estimate(self.model, **self.estimate_kwargs(knobs, micro))
             self._estimates[key] = result.total_bytes
         return self._estimates[key]
 
@@ -468,6 +472,15 @@ def plan(
         for r in ranks
     ]
     micros = _divisors(per_rank)
+    # the knob sets the search starts with, and those of the least-memory check (at micro-batch
+    # 1, which has its own trace), are traced side by side, one worker per knob set
+    frugal = {Knobs(p, True, o, min(lengths), max(ranks)) for p in precisions for o in optimizers}
+    first = [k for k in combos if k.tier(optimizer, seq_len) == 0 and k not in frugal]
+    prefetch(
+        model,
+        [job.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
+        + [job.estimate_kwargs(k, per_rank) for k in first],
+    )
 
     chosen: Candidate | None = None
     evaluated: list[Candidate] = []

@@ -1,0 +1,309 @@
+"""Run one optimizer step as micro-batches, and survive out-of-memory with the same gradient.
+
+The caller picks a step's rows before any split; the guard runs them in consecutive chunks of
+``micro_batch_size`` and accumulates their gradients. A recipe's ``loss(chunk, total_units)`` is
+the chunk's summed loss over the whole step's units (see :mod:`memfit.train.recipes.base`), so the
+chunks' gradients add up to the step's mean-loss gradient for any split, uneven ones included.
+
+On OOM the guard throws away everything the failed attempt produced (the graph the traceback
+holds, the gradients the earlier chunks and the half-finished backward wrote), halves the
+micro-batch and re-runs the whole step from its start: the same rows, each exactly once, the same
+gradient. After ``grow_after`` clean steps it tries twice the micro-batch again, up to the planned
+one; a grow that fails doubles the wait before the next try.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from memfit.guard.cap import CAP_MESSAGE_PREFIX
+
+EventSink = Callable[[dict[str, Any]], None]
+AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+class GuardedRecipe(Protocol):
+    """What the guard uses of a recipe (:class:`memfit.train.recipes.base.Recipe` has it)."""
+
+    @property
+    def splittable(self) -> bool: ...
+
+    def units(self, rows: list[Any]) -> int: ...
+
+    def loss(
+        self, rows: list[Any], total_units: int, *, mini_batch_size: int | None = None
+    ) -> torch.Tensor: ...
+
+    def eval_partial(self, rows: list[Any]) -> Any: ...
+
+    def eval_reduce(self, partials: list[Any]) -> dict[str, float]: ...
+
+
+class StepTooLarge(Exception):
+    """Even micro-batch 1 runs out of memory; the gradients are cleared already.
+
+    The message is the original out-of-memory error's first line; the caller decides the cure
+    (gradient checkpointing, lower precision, shorter sequences, more memory).
+    """
+
+    def __init__(self, error: str, *, micro_batch_size: int = 1, phase: str = "train") -> None:
+        super().__init__(error)
+        self.error = error
+        self.micro_batch_size = micro_batch_size
+        self.phase = phase
+
+
+# lowercase fragments of messages that mean out of memory, and only that
+_OOM_MESSAGES = (
+    "out of memory",  # CUDA, the CUDA caching allocator, and the memory cap
+    "cublas_status_alloc_failed",
+    "defaultcpuallocator: can't allocate memory",
+    CAP_MESSAGE_PREFIX,
+)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error, also when something wrapped it in a
+    ``RuntimeError`` (its message or its ``__cause__`` then says so)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, torch.OutOfMemoryError | MemoryError):
+            return True
+        if isinstance(current, RuntimeError):
+            message = str(current).lower()
+            if any(fragment in message for fragment in _OOM_MESSAGES):
+                return True
+            if "cudnn_status_not_supported" in message and "memory" in message:
+                return True
+        current = current.__cause__
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _release(exc: BaseException) -> None:
+    """Drop what an exception keeps alive: its traceback's frames hold the failed graph."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+            current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
+class Guard:
+    """Splits optimizer steps into micro-batches and adapts their size to the memory there is.
+
+    ``micro_batch_size`` is the size the next step uses (public: a caller may set it, e.g. to 1
+    after it turned gradient checkpointing on). It never grows above ``target_micro_batch_size``,
+    the planned size (by default the initial one).
+    """
+
+    def __init__(
+        self,
+        micro_batch_size: int,
+        *,
+        target_micro_batch_size: int | None = None,
+        grow_after: int = 50,
+        on_event: EventSink | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+        if grow_after < 1:
+            raise ValueError(f"grow_after must be at least 1, got {grow_after}")
+        self.micro_batch_size = int(micro_batch_size)
+        self.target_micro_batch_size = int(target_micro_batch_size or micro_batch_size)
+        self.grow_after = int(grow_after)
+        self.clean_steps = 0
+        self.on_event = on_event
+        self.device = device
+        self._growing = False  # the step in flight tries a grown micro-batch
+
+    # -- training ----------------------------------------------------------------------------
+    def step(
+        self,
+        rows: list[Any],
+        recipe: GuardedRecipe,
+        *,
+        params: Sequence[torch.Tensor],
+        autocast: AutocastFactory = contextlib.nullcontext,
+        scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        step: int | None = None,
+    ) -> float:
+        """Forward and backward of one optimizer step over exactly ``rows``; returns its loss.
+
+        The gradients are accumulated into ``params``' ``.grad``, which must be ``None`` (or
+        zero) when the step starts: a re-run after OOM starts again from ``None``.
+        """
+        if not rows:
+            raise ValueError("a step needs at least one row")
+        self._maybe_grow(step)
+        clean = True
+        while True:
+            size = self.micro_batch_size
+            error: str | None = None
+            try:
+                loss = self._forward_backward(rows, recipe, size, autocast, scale)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                error = _first_line(exc)
+                _release(exc)
+            if error is None:
+                break
+            # out of the except block: the exception and its frames are gone now
+            clean = False
+            self._clear_grads(params)
+            self._free_memory()
+            if self._growing:
+                # the grown size does not fit: wait twice as long before the next try
+                self._growing = False
+                self.grow_after *= 2
+            self.micro_batch_size = self._back_off(size, len(rows), error, step=step, phase="train")
+        self._growing = False
+        self.clean_steps = self.clean_steps + 1 if clean else 0
+        return loss
+
+    def _forward_backward(
+        self,
+        rows: list[Any],
+        recipe: GuardedRecipe,
+        size: int,
+        autocast: AutocastFactory,
+        scale: Callable[[torch.Tensor], torch.Tensor],
+    ) -> float:
+        total_units = recipe.units(rows)
+        if not recipe.splittable:
+            # the recipe splits internally (GradCache) without changing the gradient
+            with autocast():
+                loss = recipe.loss(rows, total_units, mini_batch_size=size)
+            scale(loss).backward()
+            return float(loss.detach())
+        step_loss = 0.0
+        for start in range(0, len(rows), size):
+            with autocast():
+                loss = recipe.loss(rows[start : start + size], total_units)
+            scale(loss).backward()
+            step_loss += float(loss.detach())
+            # the graph is freed by backward; drop the last reference before the next forward
+            del loss
+        return step_loss
+
+    def _maybe_grow(self, step: int | None) -> None:
+        if self.micro_batch_size >= self.target_micro_batch_size:
+            return
+        if self.clean_steps < self.grow_after:
+            return
+        old = self.micro_batch_size
+        new = min(self.target_micro_batch_size, old * 2)
+        self._emit({"type": "grow", "step": step, "from": old, "to": new})
+        self.micro_batch_size = new
+        self.clean_steps = 0
+        self._growing = True
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(
+        self,
+        rows: list[Any],
+        recipe: GuardedRecipe,
+        *,
+        autocast: AutocastFactory = contextlib.nullcontext,
+        micro_batch_size: int | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """The recipe's eval metrics over ``rows`` in chunks, under ``torch.no_grad``.
+
+        On OOM only the failed chunk is re-run, smaller; finished chunks are kept. The training
+        micro-batch is left as it is (eval holds no gradients, so its sizes differ).
+        """
+        size = int(micro_batch_size or self.micro_batch_size)
+        partials: list[Any] = []
+        start = 0
+        with torch.no_grad():
+            while start < len(rows):
+                chunk = rows[start : start + size]
+                error: str | None = None
+                try:
+                    with autocast():
+                        partial = recipe.eval_partial(chunk)
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    error = _first_line(exc)
+                    _release(exc)
+                if error is None:
+                    partials.append(partial)
+                    start += len(chunk)
+                    continue
+                self._free_memory()
+                size = self._back_off(size, len(chunk), error, step=step, phase="eval")
+        return recipe.eval_reduce(partials)
+
+    # -- recovery ----------------------------------------------------------------------------
+    def _back_off(self, size: int, rows: int, error: str, *, step: int | None, phase: str) -> int:
+        """Report the OOM and return the next smaller size; StepTooLarge below 1."""
+        event: dict[str, Any] = {"type": "oom", "step": step, "micro_batch_size": size}
+        if phase != "train":
+            event["phase"] = phase
+        self._emit({**event, "error": error})
+        # a size above the rows there are ran them all at once: halve what really ran
+        effective = min(size, rows)
+        if effective <= 1:
+            raise StepTooLarge(error, micro_batch_size=1, phase=phase)
+        new = effective // 2
+        backoff: dict[str, Any] = {"type": "backoff", "step": step, "from": size, "to": new}
+        if phase != "train":
+            backoff["phase"] = phase
+        self._emit(backoff)
+        return new
+
+    @staticmethod
+    def _clear_grads(params: Sequence[torch.Tensor]) -> None:
+        # the failed attempt's gradients are partial (earlier chunks, a backward that died
+        # half-way): drop them all, the re-run accumulates the whole step again
+        for param in params:
+            param.grad = None
+
+    def _free_memory(self) -> None:
+        # the failed graph may sit in reference cycles; collect it before the re-run allocates
+        gc.collect()
+        if torch.cuda.is_available() and (self.device is None or self.device.type == "cuda"):
+            # hand cached blocks back so the smaller attempt starts from a defragmented pool
+            torch.cuda.empty_cache()
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs to continue with the same micro-batch and grow schedule."""
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "target_micro_batch_size": self.target_micro_batch_size,
+            "clean_steps": self.clean_steps,
+            "grow_after": self.grow_after,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_batch_size = int(state["micro_batch_size"])
+        self.target_micro_batch_size = int(
+            state.get("target_micro_batch_size", self.target_micro_batch_size)
+        )
+        self.clean_steps = int(state.get("clean_steps", 0))
+        self.grow_after = int(state.get("grow_after", self.grow_after))
+        self._growing = False

@@ -1,0 +1,152 @@
+"""Checkpoints of a run: written whole or not at all, read back to the exact sample.
+
+``DIR/checkpoints/step-N/`` holds the weights (safetensors), the optimizer and scheduler state, the
+RNG states, the sampler position and the guard's micro-batch. It is written into a hidden temporary
+folder beside it and renamed into place, so a kill at any moment leaves either the old set of
+checkpoints or the new one, never a half-written folder. Only files this run wrote are read back
+(``torch.load(weights_only=True)``: no unpickling of arbitrary objects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a step draws from, as JSON-able data."""
+    numpy_state: Any = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = numpy_state
+    state: dict[str, Any] = {
+        "python": _to_json(random.getstate()),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _to_tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_to_tuple(v) for v in value)
+    return value
+
+
+def write_checkpoint(
+    folder: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    state: dict[str, Any],
+    keep: int | None = None,
+) -> Path:
+    """Write ``folder/step-N`` atomically; keep the newest ``keep`` checkpoints (None: all)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step}"
+    tmp = folder / f".tmp-step-{step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        text = json.dumps({**state, "step": step, "rng": rng_state()})
+        (tmp / STATE_FILE).write_text(text, encoding="utf-8")
+        _fsync_tree(tmp)
+        if final.exists():  # a re-run of the same step (after a resume): replace it whole
+            old = folder / f".old-step-{step}-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        for old_step in completed_steps(folder)[:-keep]:
+            shutil.rmtree(folder / f"step-{old_step}", ignore_errors=True)
+    return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def completed_steps(folder: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``folder``, oldest first (temporaries ignored)."""
+    if not folder.is_dir():
+        return []
+    steps = []
+    for child in folder.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / STATE_FILE).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def clean_temporaries(folder: Path) -> None:
+    """Remove what a killed run left half-written (hidden ``.tmp-``/``.old-`` folders)."""
+    if folder.is_dir():
+        for child in folder.iterdir():
+            if child.name.startswith((".tmp-step-", ".old-step-")):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def read_checkpoint(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Load a checkpoint into the run's objects; returns its trainer state (RNG already set)."""
+    load_model(model, str(path / "model.safetensors"), device=str(device))
+    optimizer.load_state_dict(
+        torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    )
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    if scaler is not None and (path / "scaler.pt").is_file():
+        scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    state: dict[str, Any] = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    set_rng_state(state["rng"])
+    return state

@@ -1,0 +1,36 @@
+"""The training recipes of ``memfit train``, one readable file per task (interface in ``base``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.errors import UsageError
+from memfit.train.recipes.base import Recipe, Row
+from memfit.train.recipes.causal_lm import CausalLMRecipe
+from memfit.train.recipes.classification import ClassificationRecipe
+from memfit.train.recipes.sentence_embedding import SentenceEmbeddingRecipe
+
+# --task value -> recipe; the CLI's choices and the loop's lookup both read this
+RECIPES: dict[str, type[Recipe]] = {
+    ClassificationRecipe.task: ClassificationRecipe,
+    CausalLMRecipe.task: CausalLMRecipe,
+    SentenceEmbeddingRecipe.task: SentenceEmbeddingRecipe,
+}
+
+
+def make_recipe(task: str, **options: Any) -> Recipe:
+    """The recipe for ``task`` (``--task``), built with its keyword options (model first)."""
+    if task not in RECIPES:
+        raise UsageError(f"--task: unknown value {task!r}; one of {', '.join(RECIPES)}")
+    return RECIPES[task](**options)
+
+
+__all__ = [
+    "RECIPES",
+    "CausalLMRecipe",
+    "ClassificationRecipe",
+    "Recipe",
+    "Row",
+    "SentenceEmbeddingRecipe",
+    "make_recipe",
+]

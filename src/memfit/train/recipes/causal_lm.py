@@ -1,0 +1,185 @@
+"""Causal language modelling: next-token prediction on one text column.
+
+The tokenizer is loaded when the data is read: a row's weight in a step is its number of target
+tokens (tokens after truncation to ``max_seq_len``, minus the first, which nothing predicts), and a
+text too short to have one is an error at its line, before any model is loaded.
+
+Without packing, a row is a text; each chunk is padded on the right to its longest row and the
+padding positions are no targets (-100). With ``packing=True`` all texts are tokenized, each
+followed by the end-of-sequence token, concatenated and cut into blocks of ``max_seq_len`` tokens;
+the rows are then those blocks (``input_ids`` plus where they came from), the last one possibly
+shorter, and no text is truncated (a long text runs over several blocks). Blocks attend across
+document boundaries, as in Hugging Face's ``run_clm``.
+
+The loss is the summed token cross-entropy over the step's target-token count, so chunks of
+different lengths weigh by their tokens (the contract in ``base.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from memfit.errors import UsageError
+from memfit.train.recipes.base import Recipe, Row
+from memfit.train.recipes.data import WHERE, read_rows, row_error, text_of
+from memfit.train.recipes.loading import load_pretrained
+
+IGNORE_INDEX = -100
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, ``inf`` where it overflows a float."""
+    return math.exp(loss) if loss < 709.0 else math.inf
+
+
+class CausalLMRecipe(Recipe):
+    task: ClassVar[str] = "causal-lm"
+    metric: ClassVar[str] = "loss"
+    greater_is_better: ClassVar[bool] = False
+
+    model: Any  # a transformers PreTrainedModel (an nn.Module)
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        text_column: str = "text",
+        max_seq_len: int = 512,
+        packing: bool = False,
+        attn_implementation: str | None = None,
+    ) -> None:
+        if max_seq_len < 2:
+            raise UsageError(f"--max-seq-len: must be ≥ 2 for causal LM, got {max_seq_len}")
+        self.model_name = str(model)
+        self.text_column = text_column
+        self.max_seq_len = max_seq_len
+        self.packing = packing
+        self.attn_implementation = attn_implementation
+        self.device = torch.device("cpu")
+        self.tokenizer: Any = None
+
+    # -- data ----------------------------------------------------------------------------------
+    def _load_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = load_pretrained(AutoTokenizer.from_pretrained, self.model_name)
+            if self.tokenizer.pad_token is None:
+                # GPT-2 has no pad token; padded positions are masked and no targets, so eos does
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+        return self.tokenizer
+
+    def _token_ids(self, row: Row) -> list[int]:
+        """The row's tokens: its packed block, or its text tokenized and truncated."""
+        if "input_ids" in row and self.packing:
+            return list(row["input_ids"])
+        ids = self._load_tokenizer()(
+            text_of(row, self.text_column), truncation=True, max_length=self.max_seq_len
+        )["input_ids"]
+        return list(ids)
+
+    def read(self, path: Path, flag: str = "--train-file") -> list[Row]:
+        rows = read_rows(path, [self.text_column], flag=flag)
+        tokenizer = self._load_tokenizer()
+        if not self.packing:
+            for row in rows:
+                if len(self._token_ids(row)) < 2:
+                    raise row_error(
+                        row,
+                        f"column {self.text_column!r} is a single token: nothing to predict "
+                        "(a causal LM row needs at least 2 tokens)",
+                    )
+            return rows
+        if tokenizer.eos_token_id is None:
+            raise UsageError(f"--packing: the tokenizer of {self.model_name!r} has no eos token")
+        stream: list[int] = []
+        starts: list[int] = []  # where each row's tokens begin in the stream
+        for row in rows:
+            starts.append(len(stream))
+            stream.extend(tokenizer(text_of(row, self.text_column))["input_ids"])
+            stream.append(tokenizer.eos_token_id)
+        blocks: list[Row] = []
+        for begin in range(0, len(stream), self.max_seq_len):
+            block = stream[begin : begin + self.max_seq_len]
+            if len(block) < 2:
+                # a lone last token has no target; it is the eos of the last text
+                continue
+            first = where_at(rows, starts, begin)
+            last = where_at(rows, starts, begin + len(block) - 1)
+            where = first if first == last else f"{first} to {last.rsplit(' line ', 1)[-1]}"
+            blocks.append({"input_ids": block, WHERE: where})
+        return blocks
+
+    # -- model ---------------------------------------------------------------------------------
+    def build(self, train_rows: list[Row]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self._load_tokenizer()
+        kwargs: dict[str, Any] = {}
+        if self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
+        self.model = load_pretrained(
+            AutoModelForCausalLM.from_pretrained, self.model_name, **kwargs
+        )
+
+    def units(self, rows: list[Row]) -> int:
+        return sum(len(self._token_ids(row)) - 1 for row in rows)
+
+    def _summed_loss(self, rows: list[Row]) -> tuple[torch.Tensor, int]:
+        """Summed token cross-entropy of ``rows`` and its number of target tokens."""
+        sequences = [self._token_ids(row) for row in rows]
+        width = max(len(ids) for ids in sequences)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(sequences):
+            input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, : len(ids)] = 1
+        # padding is masked by position, not by id: a real eos (packing) stays a target
+        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        input_ids, attention_mask, labels = (
+            t.to(self.device) for t in (input_ids, attention_mask, labels)
+        )
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        # position t predicts token t+1; float(): sum in fp32 under autocast
+        shifted = logits[:, :-1, :].float()
+        targets = labels[:, 1:]
+        loss = F.cross_entropy(
+            shifted.reshape(-1, shifted.size(-1)),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        return loss, int((targets != IGNORE_INDEX).sum())
+
+    def loss(
+        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+    ) -> torch.Tensor:
+        summed, _ = self._summed_loss(rows)
+        # summed over tokens, divided by the step's tokens: chunks add up to the step's mean
+        return summed / total_units
+
+    # -- eval ----------------------------------------------------------------------------------
+    def eval_partial(self, rows: list[Row]) -> tuple[float, int]:
+        summed, tokens = self._summed_loss(rows)
+        return float(summed), tokens
+
+    def eval_reduce(self, partials: list[Any]) -> dict[str, float]:
+        tokens = sum(part[1] for part in partials)
+        loss = sum(part[0] for part in partials) / max(tokens, 1)
+        return {"loss": loss, "perplexity": perplexity(loss)}
+
+    def save(self, folder: Path) -> None:
+        self.model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+
+
+def where_at(rows: list[Row], starts: list[int], offset: int) -> str:
+    """The WHERE of the row whose tokens hold stream position ``offset``."""
+    return str(rows[bisect.bisect_right(starts, offset) - 1][WHERE])

@@ -1,0 +1,175 @@
+"""Sentence embeddings: (anchor, positive) pairs, multiple-negatives ranking loss.
+
+Every other positive in the step is a negative for an anchor (in-batch negatives), so the loss
+does not split over samples: ``splittable = False`` and the guard hands over the whole step with a
+``mini_batch_size``. Below the step's size the recipe uses GradCache
+(``CachedMultipleNegativesRankingLoss``): embed all mini-batches without a graph, take the loss and
+its gradient at the embeddings, then re-embed one mini-batch at a time with a graph when the caller
+calls ``.backward()`` on the returned loss (a hook on that tensor). Memory is one mini-batch of
+activations; the gradient is the whole batch's.
+
+MODEL is a sentence-transformers folder or a plain Hugging Face one (wrapped with mean pooling).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from memfit.errors import UsageError
+from memfit.train.recipes.base import Recipe, Row
+from memfit.train.recipes.data import read_rows, text_of
+from memfit.train.recipes.loading import load_pretrained
+
+LOSSES = ("mnrl", "cached-mnrl")
+# the GradCache mini-batch of --loss cached-mnrl when the guard gives none
+DEFAULT_MINI_BATCH_SIZE = 32
+
+
+def retrieval_accuracy(anchors: torch.Tensor, positives: torch.Tensor) -> float:
+    """Share of anchors whose most cosine-similar positive (among all) is their own."""
+    if len(anchors) == 0:
+        return 0.0
+    a = torch.nn.functional.normalize(anchors.float(), dim=-1)
+    p = torch.nn.functional.normalize(positives.float(), dim=-1)
+    best = (a @ p.T).argmax(dim=-1)
+    return float((best == torch.arange(len(a))).float().mean())
+
+
+def _losses_module() -> Any:
+    """``sentence_transformers.losses`` (v3-5), moved under ``sentence_transformer`` in v6."""
+    try:
+        return importlib.import_module("sentence_transformers.sentence_transformer.losses")
+    except ImportError:
+        return importlib.import_module("sentence_transformers.losses")
+
+
+def _cached_loss_class() -> type:
+    cached_loss: Any = _losses_module().CachedMultipleNegativesRankingLoss
+
+    class AutocastCachedMNRL(cached_loss):  # type: ignore[misc,valid-type]
+        """GradCache whose replay (inside ``.backward()``, after the caller's autocast block has
+        closed) runs under the autocast of the first pass, so the cached gradients match the
+        embeddings they are applied to."""
+
+        autocast_state: tuple[str, bool, torch.dtype] = ("cpu", False, torch.float32)
+
+        def forward(self, sentence_features: Any, labels: Any) -> torch.Tensor:
+            device_type = self.model.device.type
+            self.autocast_state = (
+                device_type,
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+            )
+            return super().forward(sentence_features, labels)
+
+        def embed_minibatch(self, *args: Any, **kwargs: Any) -> Any:
+            device_type, enabled, dtype = self.autocast_state
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                return super().embed_minibatch(*args, **kwargs)
+
+    return AutocastCachedMNRL
+
+
+class SentenceEmbeddingRecipe(Recipe):
+    task: ClassVar[str] = "sentence-embedding"
+    metric: ClassVar[str] = "retrieval_accuracy"
+    greater_is_better: ClassVar[bool] = True
+    splittable: ClassVar[bool] = False
+
+    model: Any  # a SentenceTransformer (an nn.Module)
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        anchor_column: str = "anchor",
+        positive_column: str = "positive",
+        loss: str = "mnrl",
+        max_seq_len: int = 128,
+    ) -> None:
+        if loss not in LOSSES:
+            raise UsageError(f"--loss: unknown value {loss!r}; one of {', '.join(LOSSES)}")
+        self.model_name = str(model)
+        self.anchor_column = anchor_column
+        self.positive_column = positive_column
+        self.loss_name = loss
+        self.max_seq_len = max_seq_len
+        self.device = torch.device("cpu")
+        self._losses: dict[int | None, torch.nn.Module] = {}
+
+    def read(self, path: Path, flag: str = "--train-file") -> list[Row]:
+        rows = read_rows(path, [self.anchor_column, self.positive_column], flag=flag)
+        for row in rows:
+            text_of(row, self.anchor_column)
+            text_of(row, self.positive_column)
+        return rows
+
+    def build(self, train_rows: list[Row]) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        # device="cpu": the loop moves it with to(); ST would otherwise pick a GPU on its own
+        self.model = load_pretrained(SentenceTransformer, self.model_name, device="cpu")
+        self.model.max_seq_length = self.max_seq_len
+        self._losses.clear()
+
+    def to(self, device: torch.device) -> None:
+        super().to(device)
+        self._losses.clear()
+
+    def units(self, rows: list[Row]) -> int:
+        return len(rows)
+
+    def _features(self, rows: list[Row], column: str) -> dict[str, torch.Tensor]:
+        texts = [text_of(row, column) for row in rows]
+        # preprocess() replaced tokenize() in sentence-transformers 6 (tokenize still warns)
+        prepare = getattr(self.model, "preprocess", None) or self.model.tokenize
+        features = prepare(texts)
+        return {
+            name: value.to(self.device) if isinstance(value, torch.Tensor) else value
+            for name, value in features.items()
+        }
+
+    def _loss_module(self, mini_batch_size: int | None, rows: int) -> torch.nn.Module:
+        if self.loss_name == "cached-mnrl":
+            key: int | None = mini_batch_size or DEFAULT_MINI_BATCH_SIZE
+        elif mini_batch_size is None or mini_batch_size >= rows:
+            key = None  # the whole batch fits at once: plain MNRL, no second forward
+        else:
+            key = mini_batch_size
+        if key not in self._losses:
+            self._losses[key] = (
+                _losses_module().MultipleNegativesRankingLoss(self.model)
+                if key is None
+                else _cached_loss_class()(self.model, mini_batch_size=key)
+            )
+        return self._losses[key]
+
+    def loss(
+        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+    ) -> torch.Tensor:
+        module = self._loss_module(mini_batch_size, len(rows))
+        features = [
+            self._features(rows, self.anchor_column),
+            self._features(rows, self.positive_column),
+        ]
+        # the mean over these rows, reweighted to the contract's sum / total_units; the cached
+        # loss's backward hook receives this factor as its grad_output, so it reaches every replay
+        return module(features, None) * (len(rows) / total_units)
+
+    def eval_partial(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        anchors = self.model(self._features(rows, self.anchor_column))["sentence_embedding"]
+        positives = self.model(self._features(rows, self.positive_column))["sentence_embedding"]
+        # on the CPU: the eval set's embeddings are kept until eval_reduce, not on the GPU
+        return anchors.float().cpu(), positives.float().cpu()
+
+    def eval_reduce(self, partials: list[Any]) -> dict[str, float]:
+        anchors = torch.cat([part[0] for part in partials])
+        positives = torch.cat([part[1] for part in partials])
+        return {"retrieval_accuracy": retrieval_accuracy(anchors, positives)}
+
+    def save(self, folder: Path) -> None:
+        self.model.save(str(folder))

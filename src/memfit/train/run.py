@@ -1,0 +1,793 @@
+"""``memfit train``: a fine-tuning run under the guard, with checkpoints, logs and resume.
+
+The loop is plain PyTorch on purpose: each optimizer step is a fixed set of samples drawn from a
+seeded permutation before any split; the guard runs them as micro-batches (and survives OOM with
+the same gradient); the loop then clips the whole step's gradient, steps the optimizer and the
+scheduler, logs one line, and checkpoints at step boundaries. The run folder is a contract:
+
+    DIR/model/            the final model (loads with Auto* classes or SentenceTransformer)
+    DIR/best/             the best model by the eval metric (with --eval-file)
+    DIR/metrics.jsonl     one line per optimizer step, plus eval lines (``eval_`` keys)
+    DIR/events.jsonl      oom, backoff, grow, checkpoint, resume, eval, stop
+    DIR/checkpoints/step-N/  atomic: weights, optimizer, scheduler, RNG, sampler, micro-batch
+    DIR/run.json          resolved config, plan, versions
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.errors import NothingFitsError, UsageError
+
+TASKS = ("classification", "causal-lm", "sentence-embedding")
+OPTIMIZERS = ("adamw", "sgd", "adamw-8bit", "adafactor")
+SCHEDULERS = ("linear", "cosine", "constant")
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a run; ``memfit train`` flags and the config file map onto these names."""
+
+    task: str
+    model: str
+    train_file: str
+    output_dir: str
+    eval_file: str | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    anchor_column: str = "anchor"
+    positive_column: str = "positive"
+    loss: str | None = None
+    packing: bool = False
+    effective_batch_size: int = 32
+    epochs: int = 1
+    max_steps: int | None = None
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.0
+    lr_scheduler: str = "linear"
+    max_grad_norm: float | None = 1.0
+    optimizer: str = "adamw"
+    seed: int = 42
+    gpu_memory: int | None = None
+    memory_cap: int | None = None
+    save_every: int | None = None
+    save_total_limit: int | None = None
+    eval_every: int | None = None
+    resume: bool = False
+    device: str | None = None
+    grow_after: int = 50
+    quiet: bool = False  # no progress lines (the API's callers that print their own)
+    # the plan's keys (None: planned before step 0, or the defaults)
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    world_size: int = 1
+    precision: str | None = None
+    gradient_checkpointing: bool | None = None
+    max_seq_len: int | None = None
+    mini_batch_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    lora_rank: int | None = None
+    seq_len: int | None = None
+    attn_implementation: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    samples_seen: int
+    final_loss: float | None
+    eval_metrics: dict[str, float]
+    stopped: str  # "done" | "signal"
+
+
+# --- validation -----------------------------------------------------------------------------------
+def check_config(cfg: TrainConfig) -> None:
+    """Every problem with the flags, at once, before anything is written."""
+    problems: list[str] = []
+    if cfg.task not in TASKS:
+        problems.append(f"--task: unknown value {cfg.task!r}; one of {', '.join(TASKS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        problems.append(
+            f"--optimizer: unknown value {cfg.optimizer!r}; one of {', '.join(OPTIMIZERS)}"
+        )
+    if cfg.lr_scheduler not in SCHEDULERS:
+        problems.append(
+            f"--lr-scheduler: unknown value {cfg.lr_scheduler!r}; one of {', '.join(SCHEDULERS)}"
+        )
+    if cfg.precision is not None and cfg.precision not in PRECISIONS:
+        problems.append(
+            f"--precision: unknown value {cfg.precision!r}; one of {', '.join(PRECISIONS)}"
+        )
+    for name in ("effective_batch_size", "epochs"):
+        if int(getattr(cfg, name)) < 1:
+            problems.append(f"--{name.replace('_', '-')}: must be ≥ 1, got {getattr(cfg, name)}")
+    for name in ("max_steps", "micro_batch_size", "save_every", "save_total_limit", "eval_every"):
+        value = getattr(cfg, name)
+        if value is not None and int(value) < 1:
+            problems.append(f"--{name.replace('_', '-')}: must be ≥ 1, got {value}")
+    if cfg.lr <= 0:
+        problems.append(f"--lr: must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.warmup_ratio < 1:
+        problems.append(f"--warmup-ratio: must be in [0, 1), got {cfg.warmup_ratio}")
+    if cfg.world_size != 1:
+        problems.append(
+            "--world-size: memfit train runs one process; launch several ranks with torchrun "
+            "(multi-GPU is not built yet)"
+        )
+    if cfg.device not in (None, "cpu", "cuda"):
+        problems.append(f"--device: unknown value {cfg.device!r}; cuda or cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        problems.append("--device: cuda was asked for but no CUDA GPU is visible")
+    if cfg.lora_rank and cfg.task == "sentence-embedding":
+        problems.append("--lora-rank: LoRA is built for classification and causal-lm only")
+    if cfg.lora_rank is not None and cfg.lora_rank < 0:
+        problems.append(f"--lora-rank: must be ≥ 0, got {cfg.lora_rank}")
+    for flag, path in (("--train-file", cfg.train_file), ("--eval-file", cfg.eval_file)):
+        if path is not None and not Path(path).is_file():
+            problems.append(f"{flag}: {path}: no such file")
+    if cfg.optimizer == "adamw-8bit":
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception:
+            problems.append(
+                "--optimizer: adamw-8bit needs a working bitsandbytes (pip install bitsandbytes, "
+                "on a CUDA machine); use adamw or adafactor here"
+            )
+    output = Path(cfg.output_dir)
+    if output.exists() and not output.is_dir():
+        problems.append(f"--output-dir: {output} exists and is not a folder")
+    elif (
+        output.is_dir()
+        and not cfg.resume
+        and any(output.iterdir())
+        and (output / "run.json").exists()
+    ):
+        problems.append(
+            f"--output-dir: {output} already holds a run; add --resume to continue it, "
+            "or choose another folder"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+# --- the run ----------------------------------------------------------------------------------------
+class _Log:
+    """Append-only JSON Lines files, flushed line by line (a killed run keeps what it logged)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume: drop the lines the killed run logged after its checkpoint (they are redone)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line a kill cut in half
+        if int(record.get("step", 0)) <= last_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _make_recipe(cfg: TrainConfig) -> Any:
+    from memfit.train.recipes import make_recipe
+
+    max_len = cfg.max_seq_len or cfg.seq_len
+    if cfg.task == "classification":
+        return make_recipe(
+            cfg.task,
+            model=cfg.model,
+            text_column=cfg.text_column,
+            label_column=cfg.label_column,
+            max_seq_len=max_len or 128,
+            attn_implementation=cfg.attn_implementation,
+        )
+    if cfg.task == "causal-lm":
+        return make_recipe(
+            cfg.task,
+            model=cfg.model,
+            text_column=cfg.text_column,
+            max_seq_len=max_len or 512,
+            packing=cfg.packing,
+            attn_implementation=cfg.attn_implementation,
+        )
+    return make_recipe(
+        cfg.task,
+        model=cfg.model,
+        anchor_column=cfg.anchor_column,
+        positive_column=cfg.positive_column,
+        loss=cfg.loss or "mnrl",
+        max_seq_len=max_len or 128,
+    )
+
+
+def _resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device:
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _plan_knobs(cfg: TrainConfig, device: torch.device, rows: int) -> dict[str, Any]:
+    """Fill the knobs the user left open: a memfit plan for the GPU (or --gpu-memory)."""
+    if cfg.micro_batch_size is not None:
+        return {"source": "given"}
+    budget = cfg.gpu_memory
+    if budget is None and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free)
+    if budget is None:
+        # the CPU without a budget: no plan; the guard backs off if the machine runs short
+        return {"source": "default (no GPU and no --gpu-memory: the whole batch, guarded)"}
+    from memfit.plan import plan
+
+    seq_len = cfg.max_seq_len or cfg.seq_len or (128 if cfg.task != "causal-lm" else 512)
+    try:
+        result = plan(
+            cfg.model,
+            task=cfg.task,
+            seq_len=seq_len,
+            effective_batch_size=cfg.effective_batch_size,
+            gpu_memory=budget,
+            loss=cfg.loss if cfg.task == "sentence-embedding" else None,
+            precision=cfg.precision if device.type == "cuda" else "fp32",
+            optimizer=cfg.optimizer,
+        )
+    except UsageError as exc:
+        return {"source": f"not planned: {exc}"}
+    if not result.fits:
+        raise NothingFitsError(
+            f"memfit plan: nothing fits {budget / 2**30:.1f} GiB for {cfg.model} at "
+            f"{seq_len} tokens; " + "; ".join(result.suggestions[:3])
+        )
+    chosen = result.plan or {}
+    return {
+        "source": "memfit plan",
+        "plan": chosen,
+        "predicted_peak_bytes": result.predicted_peak_bytes,
+    }
+
+
+class _PeakMemory:
+    """Peak memory of one step, cheap enough for every step."""
+
+    def __init__(self, device: torch.device, cap: Any) -> None:
+        self.device, self.cap = device, cap
+        self._proc = Path("/proc/self/clear_refs").exists()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.cap is not None:
+            self.cap.reset_peak()
+        elif self._proc:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+
+    def read(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.cap is not None:
+            return int(self.cap.peak_bytes)
+        if self._proc:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return None
+
+
+def _optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: float) -> Any:
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in pname.lower() else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(
+            groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
+        )
+    if name == "adamw-8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    targets = [m for m in model.modules() if hasattr(m, "gradient_checkpointing_enable")]
+    if not targets:
+        raise UsageError("--gradient-checkpointing: this model does not support it")
+    target: Any = targets[0]
+    # non-reentrant, as the estimator traces it (newer transformers renamed the method)
+    kwargs = {"use_reentrant": False}
+    if hasattr(target, "activation_checkpointing_enable"):
+        target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _autocast(device: torch.device, precision: str) -> Callable[[], Any]:
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+class _Stop:
+    """SIGTERM/SIGINT: finish the step in hand, write a checkpoint, exit 0 (spot instances)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import memfit
+
+    out = {
+        "memfit": memfit.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
+    with contextlib.suppress(ImportError):
+        import sentence_transformers
+
+        out["sentence_transformers"] = sentence_transformers.__version__
+    return out
+
+
+def _save_folder(recipe: Any, folder: Path) -> None:
+    """The recipe's saved model, written beside and renamed into place.
+
+    A LoRA model is saved merged (a copy: training goes on with the adapters), so the folder
+    loads with the plain ``AutoModelFor…`` classes.
+    """
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = recipe.model
+    if hasattr(model, "merge_and_unload"):
+        import copy
+
+        recipe.model = copy.deepcopy(model).merge_and_unload()
+        try:
+            recipe.save(tmp)
+        finally:
+            recipe.model = model
+    else:
+        recipe.save(tmp)
+    old = folder.with_name(f".old-{folder.name}-{os.getpid()}")
+    if folder.exists():
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
+    """Fine-tune under the guard. ``memfit.train(task=..., model=..., train_file=..., output_dir=...)``."""
+    cfg = config or TrainConfig(**knobs)
+    if config is not None and knobs:
+        cfg = dataclasses.replace(config, **knobs)
+    check_config(cfg)
+    from transformers.utils import logging as hf_logging
+
+    from memfit.guard import Guard, StepTooLarge, memory_cap
+
+    hf_logging.disable_progress_bar()  # the run has its own progress line
+
+    recipe = _make_recipe(cfg)
+    train_rows = recipe.read(Path(cfg.train_file))
+    eval_rows = recipe.read(Path(cfg.eval_file), "--eval-file") if cfg.eval_file else None
+    device = _resolve_device(cfg)
+    planned = _plan_knobs(cfg, device, len(train_rows))
+    chosen = planned.get("plan", {})
+    per_step = cfg.effective_batch_size
+    micro = int(cfg.micro_batch_size or chosen.get("micro_batch_size") or per_step)
+    if chosen.get("loss") == "cached-mnrl" and cfg.mini_batch_size is None:
+        micro = int(chosen.get("mini_batch_size") or micro)
+    if cfg.mini_batch_size is not None and cfg.task == "sentence-embedding":
+        micro = cfg.mini_batch_size
+    micro = min(micro, per_step)
+    precision = cfg.precision or chosen.get("precision") or "fp32"
+    if device.type == "cpu" and precision != "fp32":
+        raise UsageError(
+            f"--precision: {precision} mixed precision needs a CUDA GPU; use fp32 on the CPU"
+        )
+    checkpointing = bool(
+        cfg.gradient_checkpointing
+        if cfg.gradient_checkpointing is not None
+        else chosen.get("gradient_checkpointing", False)
+    )
+
+    # the model loads before anything is written: a model that cannot be had leaves no folder
+    torch.manual_seed(cfg.seed)
+    recipe.build(train_rows)
+    if cfg.lora_rank:
+        from memfit.estimate.workload import StepSpec, _with_lora
+
+        # the adapters the plan estimated: peft's default targets, alpha 2r, dropout 0.1
+        recipe.model = _with_lora(recipe.model, StepSpec(task=cfg.task, lora_rank=cfg.lora_rank))
+    model = recipe.model
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoints"
+    from memfit.train import checkpoint as ck
+
+    ck.clean_temporaries(ckpt_dir)
+    resume_from = None
+    if cfg.resume:
+        steps = ck.completed_steps(ckpt_dir)
+        resume_from = ckpt_dir / f"step-{steps[-1]}" if steps else None
+        # the killed run's lines after its checkpoint are redone: drop them before appending
+        _truncate_metrics(out / "metrics.jsonl", steps[-1] if steps else 0)
+    if checkpointing:
+        _enable_checkpointing(model)
+    recipe.to(device)
+    model.train()
+    optimizer = _optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+    rows_n = len(train_rows)
+    steps_per_epoch = math.ceil(rows_n / per_step)
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    from transformers import get_scheduler
+
+    scheduler = get_scheduler(
+        cfg.lr_scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+    )
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and device.type == "cuda" else None
+    autocast = _autocast(device, precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    metrics = _Log(out / "metrics.jsonl")
+    events = _Log(out / "events.jsonl")
+
+    def on_event(event: dict[str, Any]) -> None:
+        events.write({"time": round(time.time(), 3), **event})
+        if event["type"] in ("oom", "backoff", "grow") and not cfg.quiet:
+            _say(f"memfit guard: {_describe(event)}")
+
+    guard = Guard(
+        micro,
+        target_micro_batch_size=micro,
+        grow_after=cfg.grow_after,
+        on_event=on_event,
+        device=device,
+    )
+    step, epoch, position, samples_seen = 0, 0, 0, 0
+    best: float | None = None
+    last_eval: dict[str, float] = {}
+    if resume_from is not None:
+        state = ck.read_checkpoint(
+            resume_from,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            device=device,
+        )
+        step, epoch, position = state["step"], state["epoch"], state["position"]
+        samples_seen, best = state["samples_seen"], state.get("best")
+        guard.load_state_dict(state["guard"])
+        on_event(
+            {
+                "type": "resume",
+                "step": step,
+                "checkpoint": str(resume_from),
+                "micro_batch_size": guard.micro_batch_size,
+            }
+        )
+    elif cfg.resume:
+        on_event(
+            {
+                "type": "resume",
+                "step": 0,
+                "checkpoint": None,
+                "note": "no checkpoint yet: from the start",
+            }
+        )
+
+    run_json = {
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+        "resolved": {
+            "device": str(device),
+            "micro_batch_size": micro,
+            "precision": precision,
+            "gradient_checkpointing": checkpointing,
+            "steps": total_steps,
+            "steps_per_epoch": steps_per_epoch,
+            "train_rows": rows_n,
+            "eval_rows": len(eval_rows) if eval_rows is not None else 0,
+        },
+        "plan": planned,
+        "versions": _versions(),
+    }
+    (out / "run.json").write_text(json.dumps(run_json, indent=2), encoding="utf-8")
+
+    def permutation(ep: int) -> list[int]:
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ep)
+        return torch.randperm(rows_n, generator=g).tolist()
+
+    def save(reason: str) -> None:
+        state = {
+            "epoch": epoch,
+            "position": position,
+            "samples_seen": samples_seen,
+            "best": best,
+            "guard": guard.state_dict(),
+            "reason": reason,
+        }
+        path = ck.write_checkpoint(
+            ckpt_dir,
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            state=state,
+            keep=cfg.save_total_limit,
+        )
+        on_event({"type": "checkpoint", "step": step, "path": str(path), "reason": reason})
+
+    def evaluate() -> dict[str, float]:
+        nonlocal best
+        assert eval_rows is not None
+        model.eval()
+        try:
+            result = guard.evaluate(eval_rows, recipe, autocast=autocast)
+        finally:
+            model.train()
+        record = {
+            "step": step,
+            "samples_seen": samples_seen,
+            **{f"eval_{k}": v for k, v in result.items()},
+        }
+        metrics.write(record)
+        on_event({"type": "eval", "step": step, **{f"eval_{k}": v for k, v in result.items()}})
+        value = result.get(recipe.metric)
+        if value is not None and (
+            best is None or (value > best if recipe.greater_is_better else value < best)
+        ):
+            best = value
+            _save_folder(recipe, out / "best")
+        return result
+
+    peak = None
+    stopped = "done"
+    loss_value: float | None = None
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        cap = stack.enter_context(memory_cap(cfg.memory_cap, device))
+        if cap is not None:
+            cap.track(model, optimizer)
+        peak = _PeakMemory(device, cap)
+        stop = stack.enter_context(_Stop())
+        perm = permutation(epoch)
+        progress = _Progress(total_steps, step, quiet=cfg.quiet)
+        while step < total_steps:
+            if position >= rows_n:
+                epoch, position = epoch + 1, 0
+                perm = permutation(epoch)
+            indices = perm[position : position + per_step]
+            rows = [train_rows[i] for i in indices]
+            peak.reset()
+            t0 = time.perf_counter()
+            while True:
+                try:
+                    loss_value = guard.step(
+                        rows,
+                        recipe,
+                        params=params,
+                        autocast=autocast,
+                        scale=(scaler.scale if scaler is not None else _identity),
+                        step=step + 1,
+                    )
+                    break
+                except StepTooLarge as exc:
+                    cure = _next_cure(model, checkpointing)
+                    if cure is None:
+                        save("nothing fits")
+                        on_event(
+                            {
+                                "type": "stop",
+                                "step": step,
+                                "reason": "even micro-batch 1 does not fit",
+                                "error": str(exc),
+                            }
+                        )
+                        raise NothingFitsError(
+                            f"step {step + 1}: even micro-batch 1 runs out of memory "
+                            f"({exc}); a checkpoint is in {ckpt_dir}. Try --gradient-checkpointing, "
+                            "--precision bf16 on a GPU, --max-seq-len, or a larger --memory-cap/GPU"
+                        ) from None
+                    checkpointing = True
+                    on_event({"type": "backoff", "step": step + 1, "cure": cure})
+                    guard.micro_batch_size = 1
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            grad_norm = None
+            if cfg.max_grad_norm:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            position += len(rows)
+            samples_seen += len(rows)
+            seconds = time.perf_counter() - t0
+            record = {
+                "step": step,
+                "epoch": epoch,
+                "loss": loss_value,
+                "samples_seen": samples_seen,
+                "micro_batch_size": guard.micro_batch_size,
+                "gradient_accumulation_steps": math.ceil(len(rows) / guard.micro_batch_size)
+                if recipe.splittable
+                else 1,
+                "peak_bytes": peak.read(),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "seconds": round(seconds, 4),
+                "samples_per_second": round(len(rows) / seconds, 2) if seconds > 0 else None,
+            }
+            metrics.write(record)
+            progress.update(record)
+            if (
+                eval_rows is not None
+                and cfg.eval_every
+                and step % cfg.eval_every == 0
+                and step < total_steps
+            ):
+                last_eval = evaluate()
+            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+                save("every")
+            if stop.signal is not None:
+                save(f"signal {stop.signal}")
+                on_event({"type": "stop", "step": step, "reason": f"signal {stop.signal}"})
+                stopped = "signal"
+                break
+        progress.close()
+        if stopped == "done":
+            if eval_rows is not None:
+                last_eval = evaluate()
+            _save_folder(recipe, out / "model")
+            if cfg.save_every:
+                save("end")
+            on_event(
+                {
+                    "type": "stop",
+                    "step": step,
+                    "reason": "done",
+                    "seconds": round(time.perf_counter() - started, 2),
+                }
+            )
+    metrics.close()
+    events.close()
+    return TrainResult(out, step, samples_seen, loss_value, last_eval, stopped)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _next_cure(model: torch.nn.Module, checkpointing: bool) -> str | None:
+    """What the plan allows after micro-batch 1: gradient checkpointing, once."""
+    if checkpointing:
+        return None
+    try:
+        _enable_checkpointing(model)
+    except UsageError:
+        return None
+    return "gradient checkpointing"
+
+
+def _describe(event: dict[str, Any]) -> str:
+    if event["type"] == "oom":
+        return f"out of memory at step {event.get('step')} with micro-batch {event.get('micro_batch_size')}"
+    if event["type"] == "backoff":
+        return f"step {event.get('step')}: micro-batch {event.get('from')} → {event.get('to')}, step re-run from its start"
+    return f"step {event.get('step')}: trying micro-batch {event.get('to')}"
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class _Progress:
+    """A rich progress bar on a terminal; a plain line every ~5 % of the run otherwise."""
+
+    def __init__(self, total: int, done: int, *, quiet: bool = False) -> None:
+        self.total = total
+        self.every = max(1, total // 20)
+        self.quiet = quiet
+        self._bar: Any = None
+        if sys.stderr.isatty() and not quiet:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total, completed=done, info="")
+
+    def update(self, record: dict[str, Any]) -> None:
+        peak = record.get("peak_bytes")
+        info = (
+            f"loss {record['loss']:.4f}  {record.get('samples_per_second') or 0:.1f} samples/s  "
+            f"micro {record['micro_batch_size']}"
+            + (f"  peak {peak / 2**20:.0f} MiB" if peak else "")
+        )
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], info=info)
+        elif not self.quiet and (record["step"] % self.every == 0 or record["step"] == self.total):
+            _say(f"step {record['step']}/{self.total}  {info}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

