@@ -8,8 +8,6 @@ file and line.
 
 from __future__ import annotations
 
-import csv
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,64 +73,8 @@ def _load_tokenizer(name: str | Path) -> Any:
 
 
 def _read_texts(path: Path, columns: list[str]) -> Iterator[list[str]]:
-    """One list of texts (one per column) per row."""
-    if not path.is_file():
-        raise UsageError(f"--train-file: {path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix in (".csv", ".tsv"):
-        yield from _read_csv(path, columns, "\t" if suffix == ".tsv" else ",")
-    elif suffix in (".jsonl", ".json"):
-        yield from _read_json(path, columns)
-    else:
-        raise UsageError(
-            f"--train-file: {path}: unknown format {suffix!r}; use .csv, .tsv, .jsonl or .json"
-        )
+    """One list of texts (one per column) per row, read and checked as ``memfit train`` reads."""
+    from memfit.data.rows import read_rows, text_of
 
-
-def _row_texts(row: dict[str, Any], columns: list[str], where: str) -> list[str]:
-    texts = []
-    for column in columns:
-        value = row.get(column)
-        if not isinstance(value, str):
-            raise UsageError(f"{where}: no text in column {column!r}")
-        texts.append(value)
-    return texts
-
-
-def _read_csv(path: Path, columns: list[str], delimiter: str) -> Iterator[list[str]]:
-    with path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle, delimiter=delimiter)
-        missing = [c for c in columns if c not in (reader.fieldnames or [])]
-        if missing:
-            raise UsageError(
-                f"--text-column: {path}: no column {missing[0]!r} (columns: {', '.join(reader.fieldnames or [])})"
-            )
-        for row in reader:
-            yield _row_texts(row, columns, f"--train-file: {path}, line {reader.line_num}")
-
-
-def _read_json(path: Path, columns: list[str]) -> Iterator[list[str]]:
-    text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if path.suffix.lower() == ".json" and stripped.startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(
-                f"--train-file: {path}, line {exc.lineno}: not JSON ({exc.msg})"
-            ) from None
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise UsageError(f"--train-file: {path}: item {i} is not an object")
-            yield _row_texts(row, columns, f"--train-file: {path}, item {i}")
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--train-file: {path}, line {number}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise UsageError(f"--train-file: {path}, line {number}: not a JSON object")
-        yield _row_texts(row, columns, f"--train-file: {path}, line {number}")
+    for row in read_rows(path, columns, flag="--train-file"):
+        yield [text_of(row, column) for column in columns]

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,6 @@ class TrainConfig:
     lora_rank: int | None = None
     seq_len: int | None = None
     attn_implementation: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -205,32 +204,29 @@ def _make_recipe(cfg: TrainConfig) -> Any:
     from memfit.train.recipes import make_recipe
 
     max_len = cfg.max_seq_len or cfg.seq_len
+    options: dict[str, Any]
     if cfg.task == "classification":
-        return make_recipe(
-            cfg.task,
-            model=cfg.model,
+        options = dict(
             text_column=cfg.text_column,
             label_column=cfg.label_column,
-            max_seq_len=max_len or 128,
             attn_implementation=cfg.attn_implementation,
+            max_seq_len=max_len or 128,
         )
-    if cfg.task == "causal-lm":
-        return make_recipe(
-            cfg.task,
-            model=cfg.model,
+    elif cfg.task == "causal-lm":
+        options = dict(
             text_column=cfg.text_column,
-            max_seq_len=max_len or 512,
             packing=cfg.packing,
             attn_implementation=cfg.attn_implementation,
+            max_seq_len=max_len or 512,
         )
-    return make_recipe(
-        cfg.task,
-        model=cfg.model,
-        anchor_column=cfg.anchor_column,
-        positive_column=cfg.positive_column,
-        loss=cfg.loss or "mnrl",
-        max_seq_len=max_len or 128,
-    )
+    else:
+        options = dict(
+            anchor_column=cfg.anchor_column,
+            positive_column=cfg.positive_column,
+            loss=cfg.loss or "mnrl",
+            max_seq_len=max_len or 128,
+        )
+    return make_recipe(cfg.task, model=cfg.model, **options)
 
 
 def _resolve_device(cfg: TrainConfig) -> torch.device:
@@ -239,7 +235,7 @@ def _resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _plan_knobs(cfg: TrainConfig, device: torch.device, rows: int) -> dict[str, Any]:
+def _plan_knobs(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """Fill the knobs the user left open: a memfit plan for the GPU (or --gpu-memory)."""
     if cfg.micro_batch_size is not None:
         return {"source": "given"}
@@ -434,7 +430,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     train_rows = recipe.read(Path(cfg.train_file))
     eval_rows = recipe.read(Path(cfg.eval_file), "--eval-file") if cfg.eval_file else None
     device = _resolve_device(cfg)
-    planned = _plan_knobs(cfg, device, len(train_rows))
+    planned = _plan_knobs(cfg, device)
     chosen = planned.get("plan", {})
     per_step = cfg.effective_batch_size
     micro = int(cfg.micro_batch_size or chosen.get("micro_batch_size") or per_step)
@@ -545,7 +541,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         )
 
     run_json = {
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+        "config": dataclasses.asdict(cfg),
         "resolved": {
             "device": str(device),
             "micro_batch_size": micro,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from memfit.data.rows import WHERE, read_rows
 from memfit.errors import UsageError
 from memfit.train.recipes import (
     RECIPES,
@@ -22,7 +23,6 @@ from memfit.train.recipes import (
 from memfit.train.recipes.base import Recipe
 from memfit.train.recipes.causal_lm import perplexity
 from memfit.train.recipes.classification import accuracy, macro_f1
-from memfit.train.recipes.data import WHERE, read_rows
 from memfit.train.recipes.sentence_embedding import retrieval_accuracy
 
 TEXTS = [

@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from memfit.data.rows import WHERE, read_rows, row_error, text_of
 from memfit.errors import UsageError
 from memfit.train.recipes.base import Recipe, Row
-from memfit.train.recipes.data import WHERE, read_rows, row_error, text_of
 from memfit.train.recipes.loading import load_pretrained
 
 IGNORE_INDEX = -100
@@ -36,6 +36,10 @@ IGNORE_INDEX = -100
 def perplexity(loss: float) -> float:
     """``exp(loss)``, ``inf`` where it overflows a float."""
     return math.exp(loss) if loss < 709.0 else math.inf
+
+
+# the key under which ``read`` keeps a row's tokens (truncated to ``max_seq_len``)
+TOKENS = "__tokens__"
 
 
 class CausalLMRecipe(Recipe):
@@ -76,9 +80,12 @@ class CausalLMRecipe(Recipe):
         return self.tokenizer
 
     def _token_ids(self, row: Row) -> list[int]:
-        """The row's tokens: its packed block, or its text tokenized and truncated."""
+        """The row's tokens: its packed block, the tokens ``read`` kept, or its text tokenized
+        and truncated (rows made elsewhere)."""
         if "input_ids" in row and self.packing:
             return list(row["input_ids"])
+        if TOKENS in row:
+            return list(row[TOKENS])
         ids = self._load_tokenizer()(
             text_of(row, self.text_column), truncation=True, max_length=self.max_seq_len
         )["input_ids"]
@@ -89,12 +96,15 @@ class CausalLMRecipe(Recipe):
         tokenizer = self._load_tokenizer()
         if not self.packing:
             for row in rows:
-                if len(self._token_ids(row)) < 2:
+                ids = self._token_ids(row)
+                if len(ids) < 2:
                     raise row_error(
                         row,
                         f"column {self.text_column!r} is a single token: nothing to predict "
                         "(a causal LM row needs at least 2 tokens)",
                     )
+                # tokenized once: units() and the loss of every step read these
+                row[TOKENS] = ids
             return rows
         if tokenizer.eos_token_id is None:
             raise UsageError(f"--packing: the tokenizer of {self.model_name!r} has no eos token")

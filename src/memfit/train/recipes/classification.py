@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from memfit.data.rows import read_rows, row_error, text_of
 from memfit.train.recipes.base import Recipe, Row
-from memfit.train.recipes.data import read_rows, row_error, text_of
 from memfit.train.recipes.loading import load_pretrained
 
 Label = int | str

@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from memfit.data.rows import read_rows, text_of
 from memfit.errors import UsageError
 from memfit.train.recipes.base import Recipe, Row
-from memfit.train.recipes.data import read_rows, text_of
 from memfit.train.recipes.loading import load_pretrained
 
 LOSSES = ("mnrl", "cached-mnrl")

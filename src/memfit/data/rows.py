@@ -2,8 +2,8 @@
 the file and the line; no row is dropped silently.
 
 Formats: CSV (``.csv``), TSV (``.tsv``), JSON Lines (``.jsonl``, and ``.json`` that does not start
-with ``[``) and JSON (``.json``, a list of objects) — the same as ``memfit plan --train-file``
-reads (``memfit.plan.data_profile``). A row is the dict from the file plus one key, ``WHERE``
+with ``[``) and JSON (``.json``, a list of objects). ``memfit train``'s recipes and
+``memfit plan --train-file`` (``memfit.plan.data_profile``) both read through here. A row is the dict from the file plus one key, ``WHERE``
 (``"--train-file: data.csv line 7"``), so that a recipe can report a problem it only finds later
 (an eval label that training never saw) at the right line.
 """

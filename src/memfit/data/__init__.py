@@ -1,0 +1,1 @@
+"""Reading and checking training data (the rows every recipe and the planner read)."""
