@@ -72,6 +72,8 @@ def _run(model: str, data: Path, out: Path, **knobs: object) -> dict:
         lr=0.5,
         seed=3,
         device="cpu",
+        # the guard's own recovery inside a step is under test here; the probe has its own test
+        probe=False,
     )
     result = train(TrainConfig(**(defaults | knobs)))
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -115,13 +117,13 @@ def test_oom_at_the_first_step_same_weights(tiny_classifier: str, tmp_path: Path
     _assert_same_run(plain, capped, 1e-5)
 
 
-def test_oom_deep_in_the_epoch_same_weights(tiny_classifier: str, tmp_path: Path) -> None:
+def _late_oom_case(model: str, tmp_path: Path) -> tuple[Path, int, int, int]:
+    """Data with one long text, a seed that draws it at step 3 or later, and a cap that only that
+    step's micro-batch of 8 crosses: (data, seed, cap, index of the deep step)."""
     # one long text: only the step that draws it needs more memory (dynamic padding)
     data = _write_data(tmp_path / "train.csv", 48, long_row=29)
     for seed in range(3, 13):
-        probe = _run(
-            tiny_classifier, data, tmp_path / f"probe{seed}", memory_cap=1 << 40, seed=seed
-        )
+        probe = _run(model, data, tmp_path / f"probe{seed}", memory_cap=1 << 40, seed=seed)
         peaks = [m["peak_bytes"] for m in probe["metrics"]]
         deep = max(range(len(peaks)), key=peaks.__getitem__)
         if deep >= 2:
@@ -130,20 +132,52 @@ def test_oom_deep_in_the_epoch_same_weights(tiny_classifier: str, tmp_path: Path
         pytest.fail("no seed put the long text past the second step")
     others = max(p for i, p in enumerate(peaks) if i != deep)
     single = _run(
-        tiny_classifier,
-        data,
-        tmp_path / "single",
-        memory_cap=1 << 40,
-        micro_batch_size=1,
-        seed=seed,
+        model, data, tmp_path / "single", memory_cap=1 << 40, micro_batch_size=1, seed=seed
     )
     assert max(m["peak_bytes"] for m in single["metrics"]) < peaks[deep]
     cap = (max(others, max(m["peak_bytes"] for m in single["metrics"])) + peaks[deep]) // 2
+    return data, seed, cap, deep
+
+
+def test_oom_deep_in_the_epoch_same_weights(tiny_classifier: str, tmp_path: Path) -> None:
+    data, seed, cap, deep = _late_oom_case(tiny_classifier, tmp_path)
     plain = _run(tiny_classifier, data, tmp_path / "plain", seed=seed)
     capped = _run(tiny_classifier, data, tmp_path / "capped", memory_cap=cap, seed=seed)
     ooms = [e for e in capped["events"] if e["type"] == "oom"]
     assert [e["step"] for e in ooms][:1] == [deep + 1]
     _assert_same_run(plain, capped, 1e-5)
+
+
+def test_probe_turns_a_late_oom_into_a_plan_at_step_0(tiny_classifier: str, tmp_path: Path) -> None:
+    data, seed, cap, deep = _late_oom_case(tiny_classifier, tmp_path)
+    # the reference: no cap and no probe at all
+    plain = _run(tiny_classifier, data, tmp_path / "plain", seed=seed)
+    capped = _run(
+        tiny_classifier, data, tmp_path / "capped", memory_cap=cap, seed=seed, probe=True
+    )
+    ooms = [e for e in capped["events"] if e["type"] == "oom"]
+    # the OOM that step deep + 1 would have met comes at step 0, and never again
+    assert ooms and {e["step"] for e in ooms} == {0}
+    (probe,) = [e for e in capped["events"] if e["type"] == "probe"]
+    assert probe["changed"] and probe["ooms"] == len(ooms)
+    assert probe["longest_tokens"] > 100  # the long text (150 words) was in the probe
+    # the corrected micro-batch holds from step 1 on
+    assert {m["micro_batch_size"] for m in capped["metrics"]} == {probe["micro_batch_size"]}
+    assert probe["micro_batch_size"] < 8
+    # the probe's update is undone: the same weights as the run that had neither cap nor probe
+    _assert_same_run(plain, capped, 1e-5)
+
+
+def test_probe_without_a_cap_changes_nothing(tiny_classifier: str, tmp_path: Path) -> None:
+    data = _write_data(tmp_path / "train.csv", 24, long_row=5)
+    plain = _run(tiny_classifier, data, tmp_path / "plain", optimizer="adamw", lr=1e-3)
+    probed = _run(
+        tiny_classifier, data, tmp_path / "probed", optimizer="adamw", lr=1e-3, probe=True
+    )
+    (probe,) = [e for e in probed["events"] if e["type"] == "probe"]
+    assert not probe["changed"] and probe["ooms"] == 0 and probe["rows"] == 8
+    # AdamW state made by the probe is dropped: step 1 starts it afresh, as without a probe
+    assert _max_difference(_weights(plain["out"]), _weights(probed["out"])) == 0.0
 
 
 def test_kill_then_resume_equals_an_uninterrupted_run(tiny_classifier: str, tmp_path: Path) -> None:

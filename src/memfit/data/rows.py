@@ -1,19 +1,39 @@
-"""Reading a training or eval file into rows, checked: every bad row is one line naming the flag,
-the file and the line; no row is dropped silently.
+"""Reading training and eval data into checked rows: every problem found at once, each naming the
+flag, the file and the line; nothing dropped silently.
 
-Formats: CSV (``.csv``), TSV (``.tsv``), JSON Lines (``.jsonl``, and ``.json`` that does not start
-with ``[``) and JSON (``.json``, a list of objects). ``memfit train``'s recipes and
-``memfit plan --train-file`` (``memfit.plan.data_profile``) both read through here. A row is the dict from the file plus one key, ``WHERE``
-(``"--train-file: data.csv line 7"``), so that a recipe can report a problem it only finds later
-(an eval label that training never saw) at the right line.
+Inputs (``--train-file``/``--eval-file``):
+
+- a file: CSV (``.csv``), TSV (``.tsv``), JSON Lines (``.jsonl``, and ``.json`` that does not
+  start with ``[``), JSON (``.json``, a list of objects), Parquet (``.parquet``); CSV, TSV and
+  JSON Lines may be gzipped (``.csv.gz`` …);
+- a folder holding such files (read in name order, as managed services hand over input channels);
+- a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose
+  ``train`` split is read for ``--train-file`` and ``validation``/``eval``/``test`` for
+  ``--eval-file``).
+
+Two passes. :func:`scan_rows` streams the raw files once (no file is held in memory whole) and
+checks every row; a line number is the 1-based line an editor shows, header included (Parquet and
+``save_to_disk`` data have no lines: ``row N``). Then :func:`read_rows` writes the good rows
+through ``datasets`` into an Arrow file in the cache folder (never the input folder, which may be
+read-only) and returns a :class:`RowTable` over it, memory-mapped; the Arrow file is reused while
+the input files and the columns asked for are unchanged.
+
+A row is a dict of the columns asked for plus ``WHERE`` (``"--train-file: data.csv line 7"``), so
+that a recipe can report a problem it only finds later at the right line. Text columns are
+non-empty strings; a label column holds the label's canonical text (``"3"`` for ``3``, ``3.0`` and
+``" 3 "``; a name stripped).
 """
 
 from __future__ import annotations
 
 import csv
-import io
+import gzip
+import hashlib
 import json
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +43,14 @@ Row = dict[str, Any]
 
 # the key every row carries: where it came from, ready to start an error message
 WHERE = "__where__"
+# the column a recipe's ``prepare`` adds: the row's length in tokens as the model sees it
+LENGTH = "__length__"
+
+FORMATS = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+# how many problems a refusal prints before it counts the rest
+SHOWN_PROBLEMS = 50
+
+_INTEGER = re.compile(r"^[+-]?\d+$")
 
 
 def where(row: Row) -> str:
@@ -45,84 +73,434 @@ def text_of(row: Row, column: str) -> str:
     return value
 
 
-def read_rows(path: Path, required: Sequence[str], *, flag: str) -> list[Row]:
-    """The rows of ``path``; each must have every ``required`` column with a non-empty value."""
+# --- problems ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Problem:
+    """One bad row (or a bad file: ``line`` None) and why."""
+
+    flag: str
+    file: str
+    line: int | None
+    reason: str
+    unit: str = "line"  # "row" for Parquet and save_to_disk data
+    # a problem of the whole file (empty, a column missing from the header): never skipped
+    whole_file: bool = False
+
+    def __str__(self) -> str:
+        at = f" {self.unit} {self.line}" if self.line is not None else ""
+        return f"{self.flag}: {self.file}{at}: {self.reason}"
+
+    def record(self) -> dict[str, Any]:
+        """The line of ``DIR/skipped_rows.jsonl`` for this problem."""
+        out: dict[str, Any] = {"file": self.file, "line": self.line, "reason": self.reason}
+        if self.unit != "line":
+            out = {"file": self.file, "line": None, self.unit: self.line, "reason": self.reason}
+        return {**out, "flag": self.flag}
+
+
+class DataError(UsageError):
+    """Bad data: every problem found, one line each (exit 2)."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = list(problems)
+        shown = [str(p) for p in self.problems[:SHOWN_PROBLEMS]]
+        rest = len(self.problems) - len(shown)
+        if rest > 0:
+            shown.append(
+                f"… and {rest} more problems ({len(self.problems)} in all; --skip-bad-rows skips "
+                "bad rows and lists each in DIR/skipped_rows.jsonl)"
+            )
+        super().__init__("\n".join(shown))
+
+
+def problem_at(where_text: str, reason: str) -> Problem:
+    """The Problem of a row from its ``WHERE`` (``"--train-file: data.csv line 7"``)."""
+    flag, _, rest = where_text.partition(": ")
+    for unit in ("line", "row"):
+        head, sep, number = rest.rpartition(f" {unit} ")
+        if sep and number.isdigit():
+            return Problem(flag, head, int(number), reason, unit)
+    return Problem(flag, rest, None, reason)
+
+
+# --- columns and labels ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Column:
+    """A column a recipe needs: ``text`` (a non-empty string) or ``label`` (integer or name)."""
+
+    name: str
+    kind: str = "text"
+
+
+@dataclass(frozen=True)
+class LabelRule:
+    """Which label values a file may hold: ``allowed`` canonical texts (None: any), and where
+    that set came from, for the message (``"--labels"``, ``"the training data"``)."""
+
+    allowed: frozenset[str] | None = None
+    source: str = ""
+
+    def check(self, value: str) -> str | None:
+        if self.allowed is None or value in self.allowed:
+            return None
+        known = ", ".join(sorted(self.allowed, key=_label_sort_key))
+        if self.source == "the training data":
+            return f"does not occur in the training data (labels: {known})"
+        return f"is not one of the labels given by {self.source} ({known})"
+
+
+def canonical_label(value: Any) -> str | None:
+    """A label's canonical text, or None when ``value`` is no label (a fraction, a list…)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else None
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return None
+        return str(int(text)) if _INTEGER.match(text) else text
+    return None
+
+
+def _label_sort_key(text: str) -> tuple[int, int, str]:
+    return (0, int(text), "") if _INTEGER.match(text) else (1, 0, text)
+
+
+def label_values(texts: Iterable[str]) -> list[int | str]:
+    """The sorted label set from canonical texts: integers in numeric order when every label is
+    an integer, else names in text order (a mix of ``1`` and ``neg``: all are names)."""
+    unique = set(texts)
+    if unique and all(_INTEGER.match(t) for t in unique):
+        return sorted(int(t) for t in unique)
+    return sorted(unique)
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """One readable input: a data file, or a ``save_to_disk`` folder (``split`` for a dict)."""
+
+    path: Path
+    kind: str  # csv | tsv | jsonl | json | parquet | arrow
+    split: str | None = None
+
+
+def _kind_of(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+    for suffix in FORMATS:
+        if name.endswith(suffix):
+            if suffix == ".parquet" and path.name.lower().endswith(".gz"):
+                return None
+            return suffix[1:]
+    return None
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    )
+
+
+def resolve_sources(path: str | Path, flag: str) -> list[Source]:
+    """The inputs ``path`` stands for; a UsageError naming ``flag`` when there are none."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{flag}: {path}: no such file")
-    suffix = path.suffix.lower()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{flag}: {path}: not UTF-8 text ({exc.reason})") from None
-    if not text.strip():
-        raise UsageError(f"{flag}: {path}: the file is empty")
-    if suffix in (".csv", ".tsv"):
-        rows = _read_csv(text, "\t" if suffix == ".tsv" else ",", required, f"{flag}: {path}")
-    elif suffix == ".json" and text.lstrip().startswith("["):
-        rows = _read_json_list(text, f"{flag}: {path}")
-    elif suffix in (".jsonl", ".json"):
-        rows = _read_json_lines(text, f"{flag}: {path}")
-    else:
+    if not path.exists():
+        raise UsageError(f"{flag}: {path}: no such file or folder")
+    if path.is_file():
+        kind = _kind_of(path)
+        if kind is None:
+            raise UsageError(
+                f"{flag}: {path}: unknown format {_suffix(path)!r}; use .csv, .tsv, .jsonl, "
+                ".json or .parquet (or a folder of them, or a datasets save_to_disk folder)"
+            )
+        return [Source(path, kind)]
+    if _is_saved_dataset(path):
+        return [Source(path, "arrow", _split_for(path, flag))]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path))
+    readable = [p for p in files if _kind_of(p) is not None]
+    unreadable = [p for p in files if _kind_of(p) is None]
+    if unreadable:
+        names = ", ".join(str(p.relative_to(path)) for p in unreadable[:5])
+        more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
         raise UsageError(
-            f"{flag}: {path}: unknown format {suffix!r}; use .csv, .tsv, .jsonl or .json"
+            f"{flag}: {path}: the folder holds files memfit cannot read: {names}{more} "
+            "(it reads .csv, .tsv, .jsonl, .json, .parquet; move the others out)"
         )
-    if not rows:
-        raise UsageError(f"{flag}: {path}: no rows")
-    for row in rows:
-        for column in required:
-            if column not in row:
-                present = ", ".join(k for k in row if k != WHERE)
-                raise row_error(row, f"no column {column!r} (columns: {present})")
-            value = row[column]
+    if not readable:
+        raise UsageError(f"{flag}: {path}: the folder holds no data files (the folder is empty)")
+    return [Source(p, _kind_of(p) or "") for p in readable]
+
+
+def _suffix(path: Path) -> str:
+    return "".join(path.suffixes[-2:]) if path.name.lower().endswith(".gz") else path.suffix
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    # .crc, .DS_Store, _SUCCESS markers: never data
+    parts = path.relative_to(root).parts
+    return any(p.startswith(".") for p in parts) or path.name.startswith("_")
+
+
+def _split_for(folder: Path, flag: str) -> str | None:
+    index = folder / "dataset_dict.json"
+    if not index.is_file():
+        return None
+    try:
+        splits = list(json.loads(index.read_text(encoding="utf-8")).get("splits", []))
+    except (OSError, ValueError):
+        raise UsageError(f"{flag}: {folder}: dataset_dict.json is not readable JSON") from None
+    wanted = ("train",) if flag == "--train-file" else ("validation", "eval", "test", "dev")
+    for name in wanted:
+        if name in splits:
+            return name
+    if len(splits) == 1:
+        return splits[0]
+    raise UsageError(
+        f"{flag}: {folder}: a DatasetDict with splits {', '.join(splits)}; none is "
+        f"{' or '.join(wanted)}: point {flag} at the split's own folder"
+    )
+
+
+# --- the scan ------------------------------------------------------------------------------------
+@dataclass
+class ScanResult:
+    """What a scan found: the problems, the number of good rows and their label values."""
+
+    problems: list[Problem] = field(default_factory=list)
+    rows: int = 0
+    labels: set[str] = field(default_factory=set)
+
+
+RawRecord = tuple[int | None, Any, str | None]  # (line or row, the record, a parse problem)
+
+
+def scan_rows(
+    path: str | Path,
+    columns: Sequence[Column],
+    *,
+    flag: str,
+    labels: LabelRule | None = None,
+) -> ScanResult:
+    """Check every row of ``path`` for ``columns``; streams the files (nothing kept but problems)."""
+    return _scan(resolve_sources(path, flag), columns, flag, labels or LabelRule())
+
+
+def _scan(
+    sources: Sequence[Source], columns: Sequence[Column], flag: str, labels: LabelRule
+) -> ScanResult:
+    result = ScanResult()
+    for _ in _good_rows(sources, columns, flag, labels, result):
+        pass
+    return result
+
+
+def _good_rows(
+    sources: Sequence[Source],
+    columns: Sequence[Column],
+    flag: str,
+    labels: LabelRule,
+    result: ScanResult,
+) -> Iterator[Row]:
+    for source in sources:
+        name = str(source.path)
+        unit = "row" if source.kind in ("parquet", "arrow") else "line"
+        found = 0
+        try:
+            for number, record, parse_problem in _records(source, columns, flag):
+                if parse_problem is not None:
+                    result.problems.append(Problem(flag, name, number, parse_problem, unit))
+                    continue
+                row, reasons = _check(record, columns, labels)
+                if reasons:
+                    result.problems.extend(Problem(flag, name, number, r, unit) for r in reasons)
+                    continue
+                found += 1
+                result.rows += 1
+                for column in columns:
+                    if column.kind == "label":
+                        result.labels.add(row[column.name])
+                at = f" {unit} {number}" if number is not None else ""
+                row[WHERE] = f"{flag}: {name}{at}"
+                yield row
+        except _FileProblem as exc:
+            result.problems.append(Problem(flag, name, exc.line, exc.reason, unit, True))
+            continue
+        if found == 0 and not any(p.file == name for p in result.problems):
+            result.problems.append(Problem(flag, name, None, "no rows", unit, True))
+
+
+class _FileProblem(Exception):
+    """A problem that ends the reading of one file (empty, a missing column in its header)."""
+
+    def __init__(self, reason: str, line: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.line = reason, line
+
+
+def _check(record: Any, columns: Sequence[Column], labels: LabelRule) -> tuple[Row, list[str]]:
+    if not isinstance(record, dict):
+        return {}, ["not a JSON object"]
+    row: Row = {}
+    reasons: list[str] = []
+    for column in columns:
+        if column.name not in record:
+            present = ", ".join(str(k) for k in record) or "none"
+            reasons.append(f"no column {column.name!r} (columns: {present})")
+            continue
+        value = record[column.name]
+        if column.kind == "label":
             if value is None or (isinstance(value, str) and not value.strip()):
-                raise row_error(row, f"column {column!r} is empty")
-    return rows
+                reasons.append(f"column {column.name!r} is empty")
+                continue
+            label = canonical_label(value)
+            if label is None:
+                reasons.append(
+                    f"column {column.name!r}: a label is an integer or a name, got {value!r}"
+                )
+                continue
+            bad = labels.check(label)
+            if bad:
+                reasons.append(f"label {_shown(value)} {bad}")
+                continue
+            row[column.name] = label
+        else:
+            if value is None or (isinstance(value, str) and not value.strip()):
+                reasons.append(f"column {column.name!r} is empty")
+            elif not isinstance(value, str):
+                reasons.append(f"column {column.name!r} is not text (got {type(value).__name__})")
+            else:
+                row[column.name] = value
+    return row, reasons
 
 
-def _read_csv(text: str, delimiter: str, required: Sequence[str], source: str) -> list[Row]:
-    # newline="": the csv module sees the line endings as they are (quoted fields may hold them)
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+def _shown(value: Any) -> str:
+    return repr(value.strip()) if isinstance(value, str) else repr(value)
+
+
+# --- raw records, with their lines -------------------------------------------------------------------
+def _records(source: Source, columns: Sequence[Column], flag: str) -> Iterator[RawRecord]:
+    if source.kind in ("csv", "tsv"):
+        yield from _csv_records(source.path, "\t" if source.kind == "tsv" else ",", columns)
+    elif source.kind == "parquet":
+        yield from _parquet_records(source.path, columns)
+    elif source.kind == "arrow":
+        yield from _saved_records(source, columns)
+    else:
+        yield from _json_records(source.path, source.kind)
+
+
+def _open_binary(path: Path) -> Any:
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _decoded_lines(path: Path, bad_lines: set[int]) -> Iterator[str]:
+    """The file's lines as text; a line that is not UTF-8 is noted in ``bad_lines`` and decoded
+    with replacement characters so the parse can go on to the next row."""
+    with _open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a byte-order mark is no data
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad_lines.add(number)
+                yield raw.decode("utf-8", errors="replace") if exc.start >= 0 else ""
+
+
+def _is_blank_file(path: Path) -> bool:
+    with _open_binary(path) as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip(b" \t\r\n\xef\xbb\xbf"):
+                return False
+    return True
+
+
+def _undecodable(bad_lines: set[int], first: int, last: int) -> str | None:
+    hit = [n for n in range(first, last + 1) if n in bad_lines]
+    if not hit:
+        return None
+    return "undecodable bytes: not UTF-8 text (save the file as UTF-8)"
+
+
+def _csv_records(path: Path, delimiter: str, columns: Sequence[Column]) -> Iterator[RawRecord]:
+    if _is_blank_file(path):
+        raise _FileProblem("the file is empty")
+    bad_lines: set[int] = set()
+    # newline="" semantics: the csv module sees the line endings as they are
+    reader = csv.reader(_decoded_lines(path, bad_lines), delimiter=delimiter)
     try:
         header = next(reader)
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise UsageError(
-                f"{source} line 1: no column {missing[0]!r} (columns: {', '.join(header)})"
-            )
-        rows: list[Row] = []
-        for fields in reader:
-            # reader.line_num is the line the record ends on (a quoted field may span lines)
-            line = reader.line_num
-            if not fields:
-                # a blank line holds no row; a line of only delimiters is a row (with empty fields)
-                continue
-            if len(fields) != len(header):
-                raise UsageError(
-                    f"{source} line {line}: {len(fields)} fields, the header has {len(header)}"
-                )
-            row: Row = dict(zip(header, fields, strict=True))
-            row[WHERE] = f"{source} line {line}"
-            rows.append(row)
     except csv.Error as exc:
-        raise UsageError(f"{source} line {reader.line_num}: not valid CSV ({exc})") from None
-    return rows
+        raise _FileProblem(f"not valid CSV ({exc})", 1) from None
+    if 1 in bad_lines:
+        raise _FileProblem(_undecodable(bad_lines, 1, 1) or "", 1)
+    header = [h.strip() for h in header]
+    missing = [c.name for c in columns if c.name not in header]
+    if missing:
+        raise _FileProblem(
+            f"no column {missing[0]!r} in the header (columns: {', '.join(header)})", 1
+        )
+    last = reader.line_num
+    while True:
+        first = last + 1
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            last = reader.line_num
+            yield last, None, f"not valid CSV ({exc})"
+            continue
+        # reader.line_num is the line the record ends on (a quoted field may span lines)
+        last = reader.line_num
+        if not fields:
+            continue  # a blank line holds no row; a line of delimiters is a row of empty fields
+        undecodable = _undecodable(bad_lines, first, last)
+        if undecodable:
+            yield last, None, undecodable
+        elif len(fields) != len(header):
+            yield last, None, f"{len(fields)} fields, the header has {len(header)}"
+        else:
+            yield last, dict(zip(header, fields, strict=True)), None
 
 
-def _read_json_lines(text: str, source: str) -> list[Row]:
-    rows: list[Row] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+def _json_records(path: Path, kind: str) -> Iterator[RawRecord]:
+    if _is_blank_file(path):
+        raise _FileProblem("the file is empty")
+    bad_lines: set[int] = set()
+    lines = _decoded_lines(path, bad_lines)
+    if kind == "json":
+        first_text = ""
+        with _open_binary(path) as handle:
+            first_text = handle.read(4096).lstrip(b" \t\r\n\xef\xbb\xbf")[:1].decode("latin-1")
+        if first_text == "[":
+            text = "".join(lines)
+            if bad_lines:
+                raise _FileProblem(_undecodable(bad_lines, 1, max(bad_lines)) or "", min(bad_lines))
+            yield from _json_list_records(text)
+            return
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
+            continue
+        if number in bad_lines:
+            yield number, None, _undecodable(bad_lines, number, number)
             continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"{source} line {number}: not JSON ({exc.msg})") from None
-        rows.append(_as_row(value, f"{source} line {number}"))
-    return rows
+            yield number, None, f"not JSON ({exc.msg})"
+            continue
+        yield number, value, None
 
 
-def _read_json_list(text: str, source: str) -> list[Row]:
+def _json_list_records(text: str) -> Iterator[RawRecord]:
     """A JSON list of objects, item by item so that each row knows the line it starts on."""
     decoder = json.JSONDecoder()
 
@@ -134,38 +512,288 @@ def _read_json_list(text: str, source: str) -> list[Row]:
             index += 1
         return index
 
-    def fail(index: int, what: str) -> UsageError:
-        return UsageError(f"{source} line {line_at(index)}: not JSON ({what})")
-
-    rows: list[Row] = []
     index = skip_space(text.index("[") + 1)
     if index < len(text) and text[index] == "]":
-        return _after_list(text, index + 1, rows, fail)
+        return
     while True:
         start = skip_space(index)
         try:
             value, index = decoder.raw_decode(text, start)
         except json.JSONDecodeError as exc:
-            raise fail(exc.pos, exc.msg) from None
-        rows.append(_as_row(value, f"{source} line {line_at(start)}"))
+            # a broken list cannot be read past the break: the rest of the file is unread
+            raise _FileProblem(
+                f"not JSON ({exc.msg}); the rest of the file is unread", line_at(exc.pos)
+            ) from None
+        yield line_at(start), value, None
         index = skip_space(index)
         if index < len(text) and text[index] == ",":
             index += 1
         elif index < len(text) and text[index] == "]":
-            return _after_list(text, index + 1, rows, fail)
+            rest = text[index + 1 :]
+            if rest.strip():
+                raise _FileProblem(
+                    "not JSON (extra data after the list)",
+                    line_at(index + 1 + len(rest) - len(rest.lstrip())),
+                )
+            return
         else:
-            raise fail(index, "expecting ',' or ']'")
+            raise _FileProblem("not JSON (expecting ',' or ']')", line_at(index))
 
 
-def _after_list(text: str, index: int, rows: list[Row], fail: Any) -> list[Row]:
-    if text[index:].strip():
-        raise fail(index + len(text[index:]) - len(text[index:].lstrip()), "extra data")
-    return rows
+def _parquet_records(path: Path, columns: Sequence[Column]) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    try:
+        handle = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for files that are not Parquet
+        raise _FileProblem(f"not a Parquet file ({_first_line(exc)})") from None
+    names = handle.schema_arrow.names
+    missing = [c.name for c in columns if c.name not in names]
+    if missing:
+        raise _FileProblem(f"no column {missing[0]!r} (columns: {', '.join(names)})")
+    if handle.metadata.num_rows == 0:
+        raise _FileProblem("no rows")
+    number = 0
+    for batch in handle.iter_batches(columns=[c.name for c in columns], batch_size=4096):
+        for record in batch.to_pylist():
+            number += 1
+            yield number, record, None
 
 
-def _as_row(value: Any, location: str) -> Row:
-    if not isinstance(value, dict):
-        raise UsageError(f"{location}: not a JSON object")
-    row: Row = dict(value)
-    row[WHERE] = location
-    return row
+def _saved_records(source: Source, columns: Sequence[Column]) -> Iterator[RawRecord]:
+    from datasets import load_from_disk
+
+    try:
+        loaded: Any = load_from_disk(str(source.path))
+    except Exception as exc:  # datasets raises FileNotFoundError/ValueError for broken folders
+        raise _FileProblem(f"not a readable save_to_disk folder ({_first_line(exc)})") from None
+    if source.split is not None:
+        loaded = loaded[source.split]
+    names = list(loaded.column_names)
+    missing = [c.name for c in columns if c.name not in names]
+    if missing:
+        raise _FileProblem(f"no column {missing[0]!r} (columns: {', '.join(names)})")
+    number = 0
+    for batch in loaded.select_columns([c.name for c in columns]).iter(batch_size=4096):
+        keys = list(batch)
+        for values in zip(*(batch[k] for k in keys), strict=True):
+            number += 1
+            yield number, dict(zip(keys, values, strict=True)), None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# --- the table -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataOptions:
+    """How ``memfit train`` reads data: ``--skip-bad-rows`` and ``--cache-dir``; ``skipped``
+    collects the problems of every row skipped while reading (for ``DIR/skipped_rows.jsonl``)."""
+
+    skip_bad_rows: bool = False
+    cache_dir: str | None = None  # None: the Hugging Face datasets cache
+    skipped: list[Problem] = field(default_factory=list, compare=False)
+
+
+class RowTable(Sequence[Row]):
+    """Rows in an Arrow table (memory-mapped by ``datasets``); indexing gives dicts.
+
+    ``skipped`` lists the problems of the rows ``--skip-bad-rows`` left out.
+    """
+
+    def __init__(
+        self, dataset: Any, *, skipped: Sequence[Problem] = (), labels: set[str] | None = None
+    ):
+        self.dataset = dataset
+        self.skipped = list(skipped)
+        self.label_texts = set(labels or ())
+
+    def __len__(self) -> int:
+        return int(self.dataset.num_rows)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.rows(range(*index.indices(len(self))))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.dataset[int(index)]
+
+    def rows(self, indices: Iterable[int]) -> list[Row]:
+        """Several rows in one read of the table (much cheaper than one by one)."""
+        picked = [int(i) for i in indices]
+        if not picked:
+            return []
+        columns = self.dataset[picked]
+        keys = list(columns)
+        return [
+            dict(zip(keys, values, strict=True))
+            for values in zip(*(columns[k] for k in keys), strict=True)
+        ]
+
+    def column(self, name: str) -> list[Any]:
+        return list(self.dataset[name])
+
+    def map_rows(
+        self,
+        function: Callable[[dict[str, list[Any]]], dict[str, list[Any]]],
+        key: str,
+        *,
+        cache_dir: str | None = None,
+    ) -> RowTable:
+        """A table with the columns ``function`` adds to each batch of rows (batched), cached as
+        an Arrow file named by the table's fingerprint and ``key`` (what the function depends on:
+        tokenizer, length limit)."""
+        name = hashlib.sha256(f"{self.dataset._fingerprint}|{key}".encode()).hexdigest()[:24]
+        folder = _cache_folder(cache_dir)
+        mapped = self.dataset.map(
+            function,
+            batched=True,
+            batch_size=1000,
+            cache_file_name=str(folder / f"memfit-map-{name}.arrow"),
+            new_fingerprint=name,
+            desc=None,
+        )
+        return RowTable(mapped, skipped=self.skipped, labels=self.label_texts)
+
+
+def _cache_folder(cache_dir: str | None) -> Path:
+    if cache_dir:
+        folder = Path(cache_dir)
+    else:
+        from datasets import config
+
+        folder = Path(config.HF_DATASETS_CACHE)
+    folder = folder / "memfit"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _fingerprint(sources: Sequence[Source], columns: Sequence[Column], labels: LabelRule) -> str:
+    parts = [repr([(c.name, c.kind) for c in columns]), repr(sorted(labels.allowed or [])), "v1"]
+    for source in sources:
+        root = source.path
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for f in files:
+            stat = f.stat()
+            parts.append(f"{f.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{source.split}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _generate(
+    fingerprint: str,
+    sources: Sequence[Source],
+    columns: Sequence[Column],
+    flag: str,
+    allowed: list[str] | None,
+    source_text: str,
+) -> Iterator[Row]:
+    labels = LabelRule(frozenset(allowed) if allowed is not None else None, source_text)
+    yield from _good_rows(sources, columns, flag, labels, ScanResult())
+
+
+def read_rows(
+    path: str | Path,
+    required: Sequence[str | Column],
+    *,
+    flag: str,
+    labels: LabelRule | None = None,
+    options: DataOptions | None = None,
+) -> RowTable:
+    """The checked rows of ``path`` (a file or folder); a :class:`DataError` listing every bad row,
+    unless ``options.skip_bad_rows`` (then the table's ``skipped`` lists them)."""
+    options = options or DataOptions()
+    columns = [c if isinstance(c, Column) else Column(c) for c in required]
+    labels = labels or LabelRule()
+    sources = resolve_sources(path, flag)
+    scan = _scan(sources, columns, flag, labels)
+    whole_file = any(p.whole_file for p in scan.problems)
+    if scan.problems and (whole_file or not options.skip_bad_rows):
+        raise DataError(scan.problems)
+    options.skipped.extend(scan.problems)
+    if scan.rows == 0:
+        raise DataError(
+            [
+                Problem(
+                    flag, str(path), None, "no rows left after skipping bad rows", whole_file=True
+                )
+            ]
+        )
+    from datasets import Dataset, Features, Value
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    fingerprint = _fingerprint(sources, columns, labels)
+    features = Features({**{c.name: Value("string") for c in columns}, WHERE: Value("string")})
+    folder = _cache_folder(options.cache_dir)
+    dataset = Dataset.from_generator(
+        _generate,
+        features=features,
+        cache_dir=str(folder),
+        gen_kwargs={
+            "fingerprint": fingerprint,
+            # tuples: datasets would shard a generator over its list arguments
+            "sources": tuple(sources),
+            "columns": tuple(columns),
+            "flag": flag,
+            "allowed": sorted(labels.allowed) if labels.allowed is not None else None,
+            "source_text": labels.source,
+        },
+    )
+    return RowTable(dataset, skipped=scan.problems, labels=scan.labels)
+
+
+def all_lengths(
+    rows: Sequence[Row], measure: Callable[[Sequence[Row]], list[int] | None]
+) -> list[int] | None:
+    """Every row's token length: the ``LENGTH`` column of a prepared table (one read), else
+    ``measure(rows)`` (a recipe's ``lengths``)."""
+    if isinstance(rows, RowTable) and LENGTH in rows.dataset.column_names:
+        return [int(x) for x in rows.dataset[LENGTH]]
+    return measure(list(rows))
+
+
+def tokenizer_key(tokenizer: Any) -> str:
+    """What names a tokenizer in the cache of tokenized data: its class, special tokens and
+    vocabulary (a digest: the same in every process)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted(str(x) for x in getattr(tokenizer, "all_special_tokens", []))
+    text = json.dumps([type(tokenizer).__name__, special, vocab], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def write_skipped(path: Path, problems: Sequence[Problem]) -> None:
+    """``DIR/skipped_rows.jsonl``: one line per skipped row (file, line, reason), atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        for problem in problems:
+            handle.write(json.dumps(problem.record()) + "\n")
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "LENGTH",
+    "WHERE",
+    "Column",
+    "DataError",
+    "DataOptions",
+    "LabelRule",
+    "Problem",
+    "Row",
+    "RowTable",
+    "all_lengths",
+    "canonical_label",
+    "label_values",
+    "problem_at",
+    "read_rows",
+    "resolve_sources",
+    "row_error",
+    "scan_rows",
+    "text_of",
+    "tokenizer_key",
+    "where",
+    "write_skipped",
+]

@@ -5,10 +5,16 @@ The caller picks a step's rows before any split; the guard runs them in consecut
 the chunk's summed loss over the whole step's units (see :mod:`memfit.train.recipes.base`), so the
 chunks' gradients add up to the step's mean-loss gradient for any split, uneven ones included.
 
+When the recipe knows its rows' token lengths (``lengths``), the step's rows are sorted longest
+first before the split (chunks of similar lengths pad least), and with a token budget
+(``max_tokens``) a chunk also holds at most that many tokens including padding
+(:func:`memfit.data.batching.split_into_chunks`): short rows go many to a chunk, long rows few.
+
 On OOM the guard throws away everything the failed attempt produced (the graph the traceback
 holds, the gradients the earlier chunks and the half-finished backward wrote), halves the
-micro-batch and re-runs the whole step from its start: the same rows, each exactly once, the same
-gradient. After ``grow_after`` clean steps it tries twice the micro-batch again, up to the planned
+micro-batch (with a token budget: the budget, to half the padded tokens of the chunk that failed)
+and re-runs the whole step from its start: the same rows, each exactly once, the same gradient.
+After ``grow_after`` clean steps it tries twice the micro-batch (budget) again, up to the planned
 one; a grow that fails doubles the wait before the next try.
 """
 
@@ -22,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from memfit.data.batching import padded_tokens, split_into_chunks
 from memfit.guard.cap import CAP_MESSAGE_PREFIX
 
 EventSink = Callable[[dict[str, Any]], None]
@@ -43,6 +50,12 @@ class GuardedRecipe(Protocol):
     def eval_partial(self, rows: list[Any]) -> Any: ...
 
     def eval_reduce(self, partials: list[Any]) -> dict[str, float]: ...
+
+
+def _lengths(recipe: Any, rows: list[Any]) -> list[int] | None:
+    """The rows' token lengths, where the recipe knows them (``Recipe.lengths``)."""
+    lengths = getattr(recipe, "lengths", None)
+    return None if lengths is None else lengths(rows)
 
 
 class StepTooLarge(Exception):
@@ -120,6 +133,8 @@ class Guard:
         grow_after: int = 50,
         on_event: EventSink | None = None,
         device: torch.device | None = None,
+        max_tokens: int | None = None,
+        target_max_tokens: int | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -131,7 +146,16 @@ class Guard:
         self.clean_steps = 0
         self.on_event = on_event
         self.device = device
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        # the token budget of a chunk, padding included (None: rows only)
+        self.max_tokens = int(max_tokens) if max_tokens else None
+        self.target_max_tokens = int(target_max_tokens or max_tokens or 0) or None
         self._growing = False  # the step in flight tries a grown micro-batch
+        # the chunk in flight (rows, padded tokens): what an OOM backs off from
+        self._chunk: tuple[int, int | None] = (0, None)
+        # what the last finished step ran: chunks, real tokens, padded tokens (None: unknown)
+        self.last_step: dict[str, int | None] = {}
 
     # -- training ----------------------------------------------------------------------------
     def step(
@@ -173,7 +197,12 @@ class Guard:
                 # the grown size does not fit: wait twice as long before the next try
                 self._growing = False
                 self.grow_after *= 2
-            self.micro_batch_size = self._back_off(size, len(rows), error, step=step, phase="train")
+            if self.max_tokens is not None and self._chunk[1] is not None:
+                self.max_tokens = self._back_off_tokens(error, step=step)
+            else:
+                self.micro_batch_size = self._back_off(
+                    size, len(rows), error, step=step, phase="train"
+                )
         self._growing = False
         self.clean_steps = self.clean_steps + 1 if clean else 0
         return loss
@@ -187,6 +216,7 @@ class Guard:
         scale: Callable[[torch.Tensor], torch.Tensor],
     ) -> float:
         total_units = recipe.units(rows)
+        self._chunk = (0, None)
         if not recipe.splittable:
             # the recipe splits internally (GradCache) without changing the gradient
             with autocast():
@@ -194,24 +224,69 @@ class Guard:
             scale(loss).backward()
             return float(loss.detach())
         step_loss = 0.0
-        for start in range(0, len(rows), size):
+        chunks = self.chunks(rows, recipe, size, self.max_tokens)
+        for chunk in chunks:
+            self._chunk = (len(chunk), self._padded(recipe, chunk))
             with autocast():
-                loss = recipe.loss(rows[start : start + size], total_units)
+                loss = recipe.loss(chunk, total_units)
             scale(loss).backward()
             step_loss += float(loss.detach())
             # the graph is freed by backward; drop the last reference before the next forward
             del loss
+        lengths = _lengths(recipe, rows)
+        self.last_step = {
+            "chunks": len(chunks),
+            "tokens": sum(lengths) if lengths is not None else None,
+            "padded_tokens": sum(self._padded(recipe, c) or 0 for c in chunks)
+            if lengths is not None
+            else None,
+        }
         return step_loss
 
+    @staticmethod
+    def chunks(
+        rows: list[Any], recipe: Any, max_rows: int, max_tokens: int | None
+    ) -> list[list[Any]]:
+        """``rows`` cut into micro-batches: longest first under the token budget where the
+        recipe knows lengths, else consecutive runs of ``max_rows``."""
+        lengths = _lengths(recipe, rows)
+        if lengths is None:
+            return [rows[start : start + max_rows] for start in range(0, len(rows), max_rows)]
+        groups = split_into_chunks(
+            lengths,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            pad_multiple=getattr(recipe, "pad_multiple", 1),
+        )
+        return [[rows[i] for i in group] for group in groups]
+
+    @staticmethod
+    def _padded(recipe: Any, chunk: list[Any]) -> int | None:
+        lengths = _lengths(recipe, chunk)
+        if lengths is None:
+            return None
+        width = getattr(recipe, "padded_width", None)
+        if width is not None:
+            return len(chunk) * int(width(max(lengths)))
+        return padded_tokens(lengths, getattr(recipe, "pad_multiple", 1))
+
     def _maybe_grow(self, step: int | None) -> None:
-        if self.micro_batch_size >= self.target_micro_batch_size:
-            return
         if self.clean_steps < self.grow_after:
             return
-        old = self.micro_batch_size
-        new = min(self.target_micro_batch_size, old * 2)
-        self._emit({"type": "grow", "step": step, "from": old, "to": new})
-        self.micro_batch_size = new
+        if self.max_tokens is not None and self.target_max_tokens is not None:
+            if self.max_tokens >= self.target_max_tokens:
+                return
+            old = self.max_tokens
+            new = min(self.target_max_tokens, old * 2)
+            self._emit({"type": "grow", "step": step, "max_tokens_from": old, "max_tokens_to": new})
+            self.max_tokens = new
+        else:
+            if self.micro_batch_size >= self.target_micro_batch_size:
+                return
+            old = self.micro_batch_size
+            new = min(self.target_micro_batch_size, old * 2)
+            self._emit({"type": "grow", "step": step, "from": old, "to": new})
+            self.micro_batch_size = new
         self.clean_steps = 0
         self._growing = True
 
@@ -271,6 +346,27 @@ class Guard:
         self._emit(backoff)
         return new
 
+    def _back_off_tokens(self, error: str, *, step: int | None) -> int:
+        """Report the OOM of a token-budget chunk and return the next budget: half the padded
+        tokens of the chunk that failed (so it splits); StepTooLarge for a chunk of one row."""
+        rows, padded = self._chunk
+        event = {"type": "oom", "step": step, "micro_batch_size": rows, "padded_tokens": padded}
+        self._emit({**event, "max_tokens": self.max_tokens, "error": error})
+        if rows <= 1 or not padded:
+            raise StepTooLarge(error, micro_batch_size=1, phase="train")
+        new = max(1, padded // 2)
+        self._emit(
+            {
+                "type": "backoff",
+                "step": step,
+                "from": self.micro_batch_size,
+                "to": self.micro_batch_size,
+                "max_tokens_from": self.max_tokens,
+                "max_tokens_to": new,
+            }
+        )
+        return new
+
     @staticmethod
     def _clear_grads(params: Sequence[torch.Tensor]) -> None:
         # the failed attempt's gradients are partial (earlier chunks, a backward that died
@@ -290,13 +386,15 @@ class Guard:
             self.on_event(event)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | None]:
         """What a resumed run needs to continue with the same micro-batch and grow schedule."""
         return {
             "micro_batch_size": self.micro_batch_size,
             "target_micro_batch_size": self.target_micro_batch_size,
             "clean_steps": self.clean_steps,
             "grow_after": self.grow_after,
+            "max_tokens": self.max_tokens,
+            "target_max_tokens": self.target_max_tokens,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -306,4 +404,7 @@ class Guard:
         )
         self.clean_steps = int(state.get("clean_steps", 0))
         self.grow_after = int(state.get("grow_after", self.grow_after))
+        if "max_tokens" in state:
+            self.max_tokens = state["max_tokens"]
+            self.target_max_tokens = state.get("target_max_tokens")
         self._growing = False

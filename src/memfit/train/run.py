@@ -24,13 +24,15 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from memfit.data.batching import length_grouped_order
+from memfit.data.rows import DataOptions, Row, RowTable, all_lengths, write_skipped
 from memfit.errors import NothingFitsError, UsageError
 
 TASKS = ("classification", "causal-lm", "sentence-embedding")
@@ -85,6 +87,14 @@ class TrainConfig:
     lora_rank: int | None = None
     seq_len: int | None = None
     attn_implementation: str | None = None
+    # data (issue 5): the label set, bad rows, the cache, batching, the probe
+    labels: list[str] | None = None  # --labels a,b,c: the label set, in id order
+    num_labels: int | None = None  # --num-labels N: labels are 0…N-1
+    skip_bad_rows: bool = False  # skip bad rows (listed in DIR/skipped_rows.jsonl), not refuse
+    cache_dir: str | None = None  # tokenized data; default: the HF datasets cache
+    group_by_length: bool = False  # steps of similar-length samples (less padding)
+    probe: bool = True  # one step on the longest samples before step 1, undone afterwards
+    padding: str = "longest"  # longest (dynamic padding) | max_length (every row to max_seq_len)
 
 
 @dataclass
@@ -118,7 +128,17 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("effective_batch_size", "epochs"):
         if int(getattr(cfg, name)) < 1:
             problems.append(f"--{name.replace('_', '-')}: must be ≥ 1, got {getattr(cfg, name)}")
-    for name in ("max_steps", "micro_batch_size", "save_every", "save_total_limit", "eval_every"):
+    for name in (
+        "max_steps",
+        "micro_batch_size",
+        "save_every",
+        "save_total_limit",
+        "eval_every",
+        "max_tokens_per_micro_batch",
+        "max_seq_len",
+        "mini_batch_size",
+        "num_labels",
+    ):
         value = getattr(cfg, name)
         if value is not None and int(value) < 1:
             problems.append(f"--{name.replace('_', '-')}: must be ≥ 1, got {value}")
@@ -140,8 +160,25 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.lora_rank is not None and cfg.lora_rank < 0:
         problems.append(f"--lora-rank: must be ≥ 0, got {cfg.lora_rank}")
     for flag, path in (("--train-file", cfg.train_file), ("--eval-file", cfg.eval_file)):
-        if path is not None and not Path(path).is_file():
-            problems.append(f"{flag}: {path}: no such file")
+        if path is not None and not Path(path).exists():
+            problems.append(f"{flag}: {path}: no such file or folder")
+    if cfg.padding not in ("longest", "max_length"):
+        problems.append(f"--padding: unknown value {cfg.padding!r}; longest or max_length")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm < 0:
+        problems.append(f"--max-grad-norm: must be ≥ 0, got {cfg.max_grad_norm}")
+    if cfg.weight_decay < 0:
+        problems.append(f"--weight-decay: must be ≥ 0, got {cfg.weight_decay}")
+    if cfg.grow_after < 1:
+        problems.append(f"--grow-after: must be ≥ 1, got {cfg.grow_after}")
+    if cfg.task != "classification" and (cfg.labels or cfg.num_labels):
+        problems.append("--labels/--num-labels: only for --task classification")
+    if cfg.labels is not None and not [x for x in cfg.labels if str(x).strip()]:
+        problems.append("--labels: give the label names, comma-separated (--labels neg,pos)")
+    if cfg.labels is not None and cfg.num_labels is not None and len(cfg.labels) != cfg.num_labels:
+        problems.append(
+            f"--labels names {len(cfg.labels)} labels but --num-labels is {cfg.num_labels}; "
+            "give one of them"
+        )
     if cfg.optimizer == "adamw-8bit":
         try:
             import bitsandbytes  # noqa: F401
@@ -211,6 +248,8 @@ def _make_recipe(cfg: TrainConfig) -> Any:
             label_column=cfg.label_column,
             attn_implementation=cfg.attn_implementation,
             max_seq_len=max_len or 128,
+            labels=cfg.labels,
+            num_labels=cfg.num_labels,
         )
     elif cfg.task == "causal-lm":
         options = dict(
@@ -226,7 +265,31 @@ def _make_recipe(cfg: TrainConfig) -> Any:
             loss=cfg.loss or "mnrl",
             max_seq_len=max_len or 128,
         )
-    return make_recipe(cfg.task, model=cfg.model, **options)
+    recipe = make_recipe(cfg.task, model=cfg.model, **options)
+    recipe.data_options = DataOptions(skip_bad_rows=cfg.skip_bad_rows, cache_dir=cfg.cache_dir)
+    recipe.padding = cfg.padding
+    return recipe
+
+
+def _read_data(recipe: Any, cfg: TrainConfig) -> tuple[Sequence[Row], Sequence[Row] | None]:
+    """The training and eval rows, checked before anything is written: every problem of both
+    files at once (a UsageError of one line per problem), or the bad rows skipped."""
+    messages: list[str] = []
+    train_rows: Sequence[Row] | None = None
+    eval_rows: Sequence[Row] | None = None
+    try:
+        train_rows = recipe.read(Path(cfg.train_file))
+    except UsageError as exc:
+        messages.extend(str(exc).splitlines())
+    if cfg.eval_file:
+        try:
+            eval_rows = recipe.read(Path(cfg.eval_file), "--eval-file")
+        except UsageError as exc:
+            messages.extend(str(exc).splitlines())
+    if messages:
+        raise UsageError("\n".join(messages))
+    assert train_rows is not None
+    return train_rows, eval_rows
 
 
 def _resolve_device(cfg: TrainConfig) -> torch.device:
@@ -427,8 +490,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     hf_logging.disable_progress_bar()  # the run has its own progress line
 
     recipe = _make_recipe(cfg)
-    train_rows = recipe.read(Path(cfg.train_file))
-    eval_rows = recipe.read(Path(cfg.eval_file), "--eval-file") if cfg.eval_file else None
+    # every bad row of both files is found before anything is loaded or written
+    train_rows, eval_rows = _read_data(recipe, cfg)
+    skipped = list(recipe.data_options.skipped)
     device = _resolve_device(cfg)
     planned = _plan_knobs(cfg, device)
     chosen = planned.get("plan", {})
@@ -439,6 +503,13 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     if cfg.mini_batch_size is not None and cfg.task == "sentence-embedding":
         micro = cfg.mini_batch_size
     micro = min(micro, per_step)
+    # a token budget per micro-batch (padding included): given, or the plan's micro-batch at
+    # its sequence length; then short rows go many to a micro-batch and long rows few
+    max_tokens = cfg.max_tokens_per_micro_batch or chosen.get("max_tokens_per_micro_batch")
+    if max_tokens and cfg.micro_batch_size is None and recipe.splittable:
+        micro = per_step  # the budget bounds the micro-batch, not a row count
+    if not recipe.splittable:
+        max_tokens = None
     precision = cfg.precision or chosen.get("precision") or "fp32"
     if device.type == "cpu" and precision != "fp32":
         raise UsageError(
@@ -459,9 +530,22 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         # the adapters the plan estimated: peft's default targets, alpha 2r, dropout 0.1
         recipe.model = _with_lora(recipe.model, StepSpec(task=cfg.task, lora_rank=cfg.lora_rank))
     model = recipe.model
+    # tokenized once, cached in --cache-dir (a second run with the same data reads it back)
+    train_rows = recipe.prepare(train_rows)
+    if eval_rows is not None:
+        eval_rows = recipe.prepare(eval_rows)
+    recipe.to(device)  # before the lengths: dynamic padding's multiple depends on the device
+    lengths = all_lengths(train_rows, recipe.lengths)
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.skip_bad_rows:
+        write_skipped(out / "skipped_rows.jsonl", skipped)
+        if skipped and not cfg.quiet:
+            _say(
+                f"memfit: skipped {len(skipped)} bad row(s); each is listed in "
+                f"{out / 'skipped_rows.jsonl'}"
+            )
     ckpt_dir = out / "checkpoints"
     from memfit.train import checkpoint as ck
 
@@ -474,7 +558,6 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         _truncate_metrics(out / "metrics.jsonl", steps[-1] if steps else 0)
     if checkpointing:
         _enable_checkpointing(model)
-    recipe.to(device)
     model.train()
     optimizer = _optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
     rows_n = len(train_rows)
@@ -506,6 +589,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         grow_after=cfg.grow_after,
         on_event=on_event,
         device=device,
+        max_tokens=max_tokens,
     )
     step, epoch, position, samples_seen = 0, 0, 0, 0
     best: float | None = None
@@ -551,6 +635,10 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             "steps_per_epoch": steps_per_epoch,
             "train_rows": rows_n,
             "eval_rows": len(eval_rows) if eval_rows is not None else 0,
+            "skipped_rows": len(skipped),
+            "max_tokens_per_micro_batch": max_tokens,
+            "pad_to_multiple_of": recipe.pad_multiple,
+            "group_by_length": cfg.group_by_length,
         },
         "plan": planned,
         "versions": _versions(),
@@ -558,6 +646,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     (out / "run.json").write_text(json.dumps(run_json, indent=2), encoding="utf-8")
 
     def permutation(ep: int) -> list[int]:
+        # a pure function of (seed, epoch): a resumed run recomputes it and goes on at position
+        if cfg.group_by_length and lengths is not None:
+            return length_grouped_order(lengths, per_step, seed=cfg.seed, epoch=ep)
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + ep)
         return torch.randperm(rows_n, generator=g).tolist()
 
@@ -605,6 +696,99 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             _save_folder(recipe, out / "best")
         return result
 
+    def guarded_step(rows: list[Row], number: int) -> float:
+        """One step's forward and backward under the guard; after micro-batch 1 fails, the next
+        cure (gradient checkpointing), else stop with a checkpoint (exit 3)."""
+        nonlocal checkpointing
+        while True:
+            try:
+                return guard.step(
+                    rows,
+                    recipe,
+                    params=params,
+                    autocast=autocast,
+                    scale=(scaler.scale if scaler is not None else _identity),
+                    step=number,
+                )
+            except StepTooLarge as exc:
+                cure = _next_cure(model, checkpointing)
+                if cure is None:
+                    save("nothing fits")
+                    on_event(
+                        {
+                            "type": "stop",
+                            "step": step,
+                            "reason": "even micro-batch 1 does not fit",
+                            "error": str(exc),
+                        }
+                    )
+                    raise NothingFitsError(
+                        f"step {number}: even micro-batch 1 runs out of memory "
+                        f"({exc}); a checkpoint is in {ckpt_dir}. Try --gradient-checkpointing, "
+                        "--precision bf16 on a GPU, --max-seq-len, or a larger --memory-cap/GPU"
+                    ) from None
+                checkpointing = True
+                on_event({"type": "backoff", "step": number, "cure": cure})
+                # one row per micro-batch (a budget of one token leaves each row alone)
+                guard.micro_batch_size = 1
+                if guard.max_tokens is not None:
+                    guard.max_tokens = 1
+
+    def probe() -> None:
+        """Step 0: the longest rows of the data as one step, so that an OOM the data holds for
+        later comes now and the micro-batch (token budget) is corrected before step 1. Then
+        everything it changed is put back: weights, optimizer state, gradients, RNG."""
+        assert snapshot is not None and lengths is not None
+        longest = sorted(range(rows_n), key=lambda i: -lengths[i])[:per_step]
+        rows = _take(train_rows, longest)
+        rng = _rng_state(device)
+        fresh = not optimizer.state
+        before = (guard.micro_batch_size, guard.max_tokens)
+        ooms = [0]
+
+        def count(event: dict[str, Any]) -> None:
+            ooms[0] += event["type"] == "oom"
+            on_event(event)
+
+        guard.on_event = count
+        try:
+            guarded_step(rows, 0)
+            if fresh:
+                # a fresh optimizer allocates its state in its first step: part of the peak
+                optimizer.step()
+        finally:
+            guard.on_event = on_event
+            optimizer.zero_grad(set_to_none=True)
+            if fresh:
+                # the state the probe created goes; step 1 creates it anew, as without a probe
+                optimizer.state.clear()
+            with torch.no_grad():
+                for param, saved in zip(model.parameters(), snapshot, strict=True):
+                    param.copy_(saved)
+            _set_rng_state(device, rng)
+        # the plan is corrected: a later grow never goes past what the longest rows allowed
+        guard.target_micro_batch_size = guard.micro_batch_size
+        guard.target_max_tokens = guard.max_tokens
+        guard.clean_steps = 0
+        on_event(
+            {
+                "type": "probe",
+                "step": 0,
+                "rows": len(rows),
+                "longest_tokens": lengths[longest[0]] if longest else 0,
+                "ooms": ooms[0],
+                "micro_batch_size": guard.micro_batch_size,
+                "max_tokens_per_micro_batch": guard.max_tokens,
+                "changed": (guard.micro_batch_size, guard.max_tokens) != before,
+            }
+        )
+
+    # a copy of the weights (on the CPU, outside the memory cap) that the probe puts back
+    snapshot = (
+        [p.detach().to("cpu", copy=True) for p in model.parameters()]
+        if cfg.probe and lengths is not None and step < total_steps
+        else None
+    )
     peak = None
     stopped = "done"
     loss_value: float | None = None
@@ -615,6 +799,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             cap.track(model, optimizer)
         peak = _PeakMemory(device, cap)
         stop = stack.enter_context(_Stop())
+        if snapshot is not None:
+            probe()
+            snapshot = None
         perm = permutation(epoch)
         progress = _Progress(total_steps, step, quiet=cfg.quiet)
         while step < total_steps:
@@ -622,40 +809,10 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 epoch, position = epoch + 1, 0
                 perm = permutation(epoch)
             indices = perm[position : position + per_step]
-            rows = [train_rows[i] for i in indices]
+            rows = _take(train_rows, indices)
             peak.reset()
             t0 = time.perf_counter()
-            while True:
-                try:
-                    loss_value = guard.step(
-                        rows,
-                        recipe,
-                        params=params,
-                        autocast=autocast,
-                        scale=(scaler.scale if scaler is not None else _identity),
-                        step=step + 1,
-                    )
-                    break
-                except StepTooLarge as exc:
-                    cure = _next_cure(model, checkpointing)
-                    if cure is None:
-                        save("nothing fits")
-                        on_event(
-                            {
-                                "type": "stop",
-                                "step": step,
-                                "reason": "even micro-batch 1 does not fit",
-                                "error": str(exc),
-                            }
-                        )
-                        raise NothingFitsError(
-                            f"step {step + 1}: even micro-batch 1 runs out of memory "
-                            f"({exc}); a checkpoint is in {ckpt_dir}. Try --gradient-checkpointing, "
-                            "--precision bf16 on a GPU, --max-seq-len, or a larger --memory-cap/GPU"
-                        ) from None
-                    checkpointing = True
-                    on_event({"type": "backoff", "step": step + 1, "cure": cure})
-                    guard.micro_batch_size = 1
+            loss_value = guarded_step(rows, step + 1)
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grad_norm = None
@@ -679,9 +836,14 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 "loss": loss_value,
                 "samples_seen": samples_seen,
                 "micro_batch_size": guard.micro_batch_size,
-                "gradient_accumulation_steps": math.ceil(len(rows) / guard.micro_batch_size)
+                "gradient_accumulation_steps": guard.last_step.get("chunks", 1)
                 if recipe.splittable
                 else 1,
+                "max_tokens_per_micro_batch": guard.max_tokens,
+                "tokens": guard.last_step.get("tokens") if recipe.splittable else None,
+                "padded_tokens": guard.last_step.get("padded_tokens")
+                if recipe.splittable
+                else None,
                 "peak_bytes": peak.read(),
                 "lr": lr,
                 "grad_norm": grad_norm,
@@ -726,6 +888,40 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _take(rows: Sequence[Row], indices: Sequence[int]) -> list[Row]:
+    """Rows by index: one read of an Arrow table, or list items."""
+    if isinstance(rows, RowTable):
+        return rows.rows(indices)
+    return [rows[i] for i in indices]
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(device: torch.device, state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _next_cure(model: torch.nn.Module, checkpointing: bool) -> str | None:

@@ -391,6 +391,8 @@ def test_state_dict_round_trip() -> None:
         "target_micro_batch_size": 8,
         "clean_steps": 4,
         "grow_after": 10,
+        "max_tokens": None,
+        "target_max_tokens": None,
     }
 
 

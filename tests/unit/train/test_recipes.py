@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from memfit.data.rows import WHERE, read_rows
+from memfit.data.rows import WHERE, Column, read_rows
 from memfit.errors import UsageError
 from memfit.train.recipes import (
     RECIPES,
@@ -77,8 +77,11 @@ def test_read_rows_reads_every_format_with_line_numbers(tmp_path: Path) -> None:
     tsv_rows = read_rows(tmp_path / "d.tsv", ["text", "label"], flag="--eval-file")
     assert tsv_rows[1]["label"] == "0" and tsv_rows[1][WHERE].endswith("d.tsv line 3")
     assert tsv_rows[1][WHERE].startswith("--eval-file: ")
-    jsonl_rows = read_rows(tmp_path / "d.jsonl", ["text"], flag="--train-file")
-    assert jsonl_rows[1]["label"] == 0 and jsonl_rows[1][WHERE].endswith("line 2")
+    jsonl_rows = read_rows(
+        tmp_path / "d.jsonl", ["text", Column("label", "label")], flag="--train-file"
+    )
+    # a label is kept as its canonical text: 0, 0.0 and "0" are one label
+    assert jsonl_rows[1]["label"] == "0" and jsonl_rows[1][WHERE].endswith("line 2")
     json_rows = read_rows(tmp_path / "d.json", ["text"], flag="--train-file")
     assert [r[WHERE].rsplit(" ", 1)[1] for r in json_rows] == ["2", "4"]
 
@@ -208,18 +211,21 @@ def test_classification_unknown_eval_label(bert_dir: str, tmp_path: Path) -> Non
     evaluation = write_jsonl(
         tmp_path / "eval.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": 7}]
     )
+    # the training file fixes the labels when it is read: the eval file is checked as it is read,
+    # before any model is loaded
     recipe = ClassificationRecipe(bert_dir)
-    rows = recipe.read(train)
-    recipe.read(evaluation, "--eval-file")  # read before the labels are known, as the loop does
+    recipe.read(train)
     with pytest.raises(
         UsageError, match=r"^--eval-file: .*eval\.jsonl line 2: label 7 does not occur"
     ):
-        recipe.build(rows)
-    # read after build: checked at once
-    recipe = ClassificationRecipe(bert_dir)
-    recipe.build(recipe.read(train))
-    with pytest.raises(UsageError, match=r"eval\.jsonl line 2: label 7"):
         recipe.read(evaluation, "--eval-file")
+    # --labels / --num-labels fix the set before any file is read
+    fixed = ClassificationRecipe(bert_dir, labels=["0", "1"])
+    with pytest.raises(UsageError, match=r"line 2: label 7 is not one of the labels given by --labels"):
+        fixed.read(evaluation, "--eval-file")
+    counted = ClassificationRecipe(bert_dir, num_labels=3)
+    counted.read(train)
+    assert counted.labels == [0, 1, 2]  # a label the data never shows still has its id
 
 
 def test_classification_bad_rows(bert_dir: str, tmp_path: Path) -> None:

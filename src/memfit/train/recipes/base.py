@@ -15,11 +15,15 @@ target token for causal LM (``units``). Recipes whose loss does not decompose ov
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from memfit.data.batching import padded_width
+from memfit.data.rows import DataOptions
 
 Row = dict[str, Any]
 
@@ -35,15 +39,46 @@ class Recipe(abc.ABC):
     model: nn.Module
     device: torch.device
 
-    @abc.abstractmethod
-    def read(self, path: Path, flag: str = "--train-file") -> list[Row]:
-        """The rows of a data file (csv, tsv, jsonl, json), checked: a bad row is a UsageError
-        naming the flag (``--train-file``, ``--eval-file``), the file and line; no row is dropped
-        silently."""
+    # how --train-file/--eval-file are read (--skip-bad-rows, --cache-dir); set by the loop
+    data_options: DataOptions = DataOptions()
+    # "longest": a micro-batch is as wide as its longest row (dynamic padding); "max_length":
+    # every row is padded to max_seq_len (static shapes, and the baseline bench/padding.py beats)
+    padding: str = "longest"
+    max_seq_len: int
 
     @abc.abstractmethod
-    def build(self, train_rows: list[Row]) -> None:
-        """Load tokenizer and model (labels from ``train_rows`` for classification)."""
+    def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
+        """The rows of a data file or folder (see :mod:`memfit.data.rows`), checked: every bad
+        row is reported at once (a :class:`~memfit.data.rows.DataError` naming the flag, file and
+        line), or skipped and listed with ``data_options.skip_bad_rows``; never dropped silently."""
+
+    @abc.abstractmethod
+    def build(self, train_rows: Sequence[Row]) -> None:
+        """Load tokenizer and model (the labels are known from ``read`` for classification)."""
+
+    def prepare(self, rows: Sequence[Row]) -> Sequence[Row]:
+        """The rows with what every step needs precomputed (tokens, lengths), once and cached
+        beside the data (after ``build``: it needs the tokenizer). Plain lists pass unchanged:
+        recipes also take rows made by hand, tokenizing them when they are used."""
+        return rows
+
+    def lengths(self, rows: Sequence[Row]) -> list[int] | None:
+        """Each row's length in tokens as the model sees it (truncated, special tokens in),
+        for length-aware batching and the probe; None where the recipe does not know."""
+        return None
+
+    def padded_width(self, longest: int) -> int:
+        """The width of a micro-batch whose longest row has ``longest`` tokens."""
+        if self.padding == "max_length":
+            return max(longest, self.max_seq_len)
+        # never past max_seq_len, the positions the plan allowed
+        return min(padded_width(longest, self.pad_multiple), max(longest, self.max_seq_len))
+
+    @property
+    def pad_multiple(self) -> int:
+        """Dynamic padding rounds a micro-batch's width up to this: 8 on GPUs (tensor cores
+        want aligned shapes), 1 on the CPU."""
+        return 8 if self.device.type == "cuda" else 1
 
     def to(self, device: torch.device) -> None:
         self.device = device

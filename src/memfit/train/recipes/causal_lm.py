@@ -19,13 +19,24 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from memfit.data.rows import WHERE, read_rows, row_error, text_of
+from memfit.data.rows import (
+    LENGTH,
+    WHERE,
+    Column,
+    DataError,
+    RowTable,
+    problem_at,
+    read_rows,
+    text_of,
+    tokenizer_key,
+)
 from memfit.errors import UsageError
 from memfit.train.recipes.base import Recipe, Row
 from memfit.train.recipes.loading import load_pretrained
@@ -91,43 +102,73 @@ class CausalLMRecipe(Recipe):
         )["input_ids"]
         return list(ids)
 
-    def read(self, path: Path, flag: str = "--train-file") -> list[Row]:
-        rows = read_rows(path, [self.text_column], flag=flag)
+    def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
+        table = read_rows(path, [Column(self.text_column)], flag=flag, options=self.data_options)
         tokenizer = self._load_tokenizer()
+        column = self.text_column
+        limit = None if self.packing else self.max_seq_len
+
+        def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+            ids = tokenizer(batch[column], truncation=limit is not None, max_length=limit)
+            return {TOKENS: ids["input_ids"], LENGTH: [len(x) for x in ids["input_ids"]]}
+
+        # tokenized once, cached beside the data: units() and the loss of every step read these
+        key = f"causal-lm|{tokenizer_key(tokenizer)}|{limit}|{column}"
+        table = table.map_rows(tokenize, key, cache_dir=self.data_options.cache_dir)
         if not self.packing:
-            for row in rows:
-                ids = self._token_ids(row)
-                if len(ids) < 2:
-                    raise row_error(
-                        row,
-                        f"column {self.text_column!r} is a single token: nothing to predict "
-                        "(a causal LM row needs at least 2 tokens)",
-                    )
-                # tokenized once: units() and the loss of every step read these
-                row[TOKENS] = ids
-            return rows
+            return self._drop_single_tokens(table)
         if tokenizer.eos_token_id is None:
             raise UsageError(f"--packing: the tokenizer of {self.model_name!r} has no eos token")
         stream: list[int] = []
         starts: list[int] = []  # where each row's tokens begin in the stream
-        for row in rows:
-            starts.append(len(stream))
-            stream.extend(tokenizer(text_of(row, self.text_column))["input_ids"])
-            stream.append(tokenizer.eos_token_id)
+        wheres: list[str] = []
+        for batch in table.dataset.select_columns([TOKENS, WHERE]).iter(batch_size=1000):
+            for ids, at in zip(batch[TOKENS], batch[WHERE], strict=True):
+                starts.append(len(stream))
+                wheres.append(at)
+                stream.extend(ids)
+                stream.append(tokenizer.eos_token_id)
         blocks: list[Row] = []
         for begin in range(0, len(stream), self.max_seq_len):
             block = stream[begin : begin + self.max_seq_len]
             if len(block) < 2:
                 # a lone last token has no target; it is the eos of the last text
                 continue
-            first = where_at(rows, starts, begin)
-            last = where_at(rows, starts, begin + len(block) - 1)
+            first = where_at(wheres, starts, begin)
+            last = where_at(wheres, starts, begin + len(block) - 1)
             where = first if first == last else f"{first} to {last.rsplit(' line ', 1)[-1]}"
             blocks.append({"input_ids": block, WHERE: where})
         return blocks
 
+    def _drop_single_tokens(self, table: RowTable) -> RowTable:
+        """A text of one token has nothing to predict: a bad row (refused, or skipped)."""
+        lengths = [int(n) for n in table.dataset[LENGTH]]
+        bad = [i for i, n in enumerate(lengths) if n < 2]
+        if not bad:
+            return table
+        wheres = table.dataset.select(bad)[WHERE]
+        reason = (
+            f"column {self.text_column!r} is a single token: nothing to predict "
+            "(a causal LM row needs at least 2 tokens)"
+        )
+        problems = [problem_at(at, reason) for at in wheres]
+        if not self.data_options.skip_bad_rows:
+            raise DataError(problems)
+        self.data_options.skipped.extend(problems)
+        keep = sorted(set(range(len(lengths))) - set(bad))
+        if not keep:
+            raise DataError([*problems, problem_at(wheres[0].rsplit(" line ", 1)[0], "no rows")])
+        return RowTable(
+            table.dataset.select(keep),
+            skipped=[*table.skipped, *problems],
+            labels=table.label_texts,
+        )
+
+    def lengths(self, rows: Sequence[Row]) -> list[int]:
+        return [int(row[LENGTH]) if LENGTH in row else len(self._token_ids(row)) for row in rows]
+
     # -- model ---------------------------------------------------------------------------------
-    def build(self, train_rows: list[Row]) -> None:
+    def build(self, train_rows: Sequence[Row]) -> None:
         from transformers import AutoModelForCausalLM
 
         self._load_tokenizer()
@@ -138,13 +179,14 @@ class CausalLMRecipe(Recipe):
             AutoModelForCausalLM.from_pretrained, self.model_name, **kwargs
         )
 
-    def units(self, rows: list[Row]) -> int:
+    def units(self, rows: Sequence[Row]) -> int:
         return sum(len(self._token_ids(row)) - 1 for row in rows)
 
-    def _summed_loss(self, rows: list[Row]) -> tuple[torch.Tensor, int]:
+    def _summed_loss(self, rows: Sequence[Row]) -> tuple[torch.Tensor, int]:
         """Summed token cross-entropy of ``rows`` and its number of target tokens."""
         sequences = [self._token_ids(row) for row in rows]
-        width = max(len(ids) for ids in sequences)
+        # dynamic padding: the chunk's longest row, rounded up to the device's multiple
+        width = self.padded_width(max(len(ids) for ids in sequences))
         pad = self.tokenizer.pad_token_id
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -169,14 +211,14 @@ class CausalLMRecipe(Recipe):
         return loss, int((targets != IGNORE_INDEX).sum())
 
     def loss(
-        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+        self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
         summed, _ = self._summed_loss(rows)
         # summed over tokens, divided by the step's tokens: chunks add up to the step's mean
         return summed / total_units
 
     # -- eval ----------------------------------------------------------------------------------
-    def eval_partial(self, rows: list[Row]) -> tuple[float, int]:
+    def eval_partial(self, rows: Sequence[Row]) -> tuple[float, int]:
         summed, tokens = self._summed_loss(rows)
         return float(summed), tokens
 
@@ -190,6 +232,6 @@ class CausalLMRecipe(Recipe):
         self.tokenizer.save_pretrained(folder)
 
 
-def where_at(rows: list[Row], starts: list[int], offset: int) -> str:
+def where_at(wheres: list[str], starts: list[int], offset: int) -> str:
     """The WHERE of the row whose tokens hold stream position ``offset``."""
-    return str(rows[bisect.bisect_right(starts, offset) - 1][WHERE])
+    return wheres[bisect.bisect_right(starts, offset) - 1]

@@ -9,20 +9,33 @@ per-sample cross-entropy over the step's sample count (the contract in ``base.py
 
 from __future__ import annotations
 
-import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from memfit.data.rows import read_rows, row_error, text_of
+from memfit.data.rows import (
+    LENGTH,
+    Column,
+    LabelRule,
+    RowTable,
+    canonical_label,
+    label_values,
+    read_rows,
+    row_error,
+    text_of,
+    tokenizer_key,
+)
+from memfit.errors import UsageError
 from memfit.train.recipes.base import Recipe, Row
 from memfit.train.recipes.loading import load_pretrained
 
 Label = int | str
 
-_INTEGER = re.compile(r"^[+-]?\d+$")
+# the prefix of the token columns ``prepare`` adds to the rows
+ENCODED = "__enc_"
 
 
 def accuracy(predictions: list[int], labels: list[int]) -> float:
@@ -47,21 +60,6 @@ def macro_f1(predictions: list[int], labels: list[int]) -> float:
     return sum(scores) / len(scores)
 
 
-def _label_value(row: Row, column: str) -> Label:
-    """The label as an int (JSON ints, integer-looking text) or a stripped name."""
-    value = row[column]
-    if isinstance(value, bool) or not isinstance(value, int | str | float):
-        raise row_error(row, f"column {column!r}: a label is an integer or a name, got {value!r}")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise row_error(row, f"column {column!r}: a label is an integer or a name, got {value}")
-        return int(value)
-    if isinstance(value, str):
-        value = value.strip()
-        return int(value) if _INTEGER.match(value) else value
-    return value
-
-
 class ClassificationRecipe(Recipe):
     task: ClassVar[str] = "classification"
     metric: ClassVar[str] = "accuracy"
@@ -78,7 +76,16 @@ class ClassificationRecipe(Recipe):
         max_seq_len: int = 128,
         attn_implementation: str | None = None,
         text_pair_column: str | None = None,
+        labels: Sequence[str] | None = None,
+        num_labels: int | None = None,
     ) -> None:
+        if labels is not None and num_labels is not None and len(labels) != num_labels:
+            raise UsageError(
+                f"--labels names {len(labels)} labels but --num-labels is {num_labels}; "
+                "give one of them"
+            )
+        if num_labels is not None and num_labels < 1:
+            raise UsageError(f"--num-labels: must be ≥ 1, got {num_labels}")
         self.model_name = str(model)
         self.text_column = text_column
         self.label_column = label_column
@@ -86,63 +93,64 @@ class ClassificationRecipe(Recipe):
         self.attn_implementation = attn_implementation
         self.text_pair_column = text_pair_column
         self.device = torch.device("cpu")
-        # filled by build(); until then labels cannot be checked
+        # the label set: fixed by --labels / --num-labels, else the training file's values
         self.labels: list[Label] = []
-        self.label_ids: dict[Label, int] = {}
-        # row sets read before build(): their labels are checked as soon as the labels are known
-        self._unchecked: list[list[Row]] = []
+        self.label_ids: dict[str, int] = {}  # a label's canonical text -> its id
+        self._fixed = ""
+        if labels is not None:
+            names = [str(x).strip() for x in labels]
+            canonical = [canonical_label(x) for x in names]
+            bad = [n for n, c in zip(names, canonical, strict=True) if c is None]
+            if bad or not names:
+                raise UsageError(f"--labels: {bad[0] if bad else '(none)'!r} is not a label name")
+            if len(set(canonical)) != len(canonical):
+                raise UsageError(f"--labels: a label is named twice ({', '.join(names)})")
+            self._set_labels(names, [str(c) for c in canonical])
+            self._fixed = "--labels"
+        elif num_labels is not None:
+            self._set_labels(list(range(num_labels)), [str(i) for i in range(num_labels)])
+            self._fixed = f"--num-labels {num_labels}"
         self.tokenizer: Any = None
 
+    def _set_labels(self, labels: Sequence[Label], canonical: Sequence[str]) -> None:
+        self.labels = list(labels)
+        self.label_ids = {text: i for i, text in enumerate(canonical)}
+
     # -- data ----------------------------------------------------------------------------------
-    def read(self, path: Path, flag: str = "--train-file") -> list[Row]:
-        columns = [self.text_column, self.label_column]
+    def read(self, path: Path, flag: str = "--train-file") -> RowTable:
+        columns = [Column(self.text_column), Column(self.label_column, "label")]
         if self.text_pair_column:
-            columns.append(self.text_pair_column)
-        rows = read_rows(path, columns, flag=flag)
-        for row in rows:
-            text_of(row, self.text_column)
-            if self.text_pair_column:
-                text_of(row, self.text_pair_column)
-            _label_value(row, self.label_column)
-        if self.label_ids:
-            self._check_labels(rows)
-        elif flag != "--train-file":
-            # an eval file is read before the model exists: check it in build(), before loading
-            self._unchecked.append(rows)
+            columns.append(Column(self.text_pair_column))
+        rule = LabelRule()
+        if self._fixed:
+            rule = LabelRule(frozenset(self.label_ids), self._fixed)
+        elif flag != "--train-file" and self.label_ids:
+            rule = LabelRule(frozenset(self.label_ids), "the training data")
+        rows = read_rows(path, columns, flag=flag, labels=rule, options=self.data_options)
+        if not self._fixed and flag == "--train-file":
+            values = label_values(rows.label_texts)
+            self._set_labels(values, [str(v) for v in values])
         return rows
 
     def _label_id(self, row: Row) -> int:
         if not self.labels:
-            raise RuntimeError("ClassificationRecipe: build() sets the labels; call it first")
-        value = _label_value(row, self.label_column)
-        key: Label = str(value) if isinstance(self.labels[0], str) else value
-        if key not in self.label_ids:
+            raise RuntimeError("ClassificationRecipe: read() sets the labels; call it first")
+        text = canonical_label(row[self.label_column])
+        if text is None or text not in self.label_ids:
             known = ", ".join(str(x) for x in self.labels)
             raise row_error(
-                row, f"label {value!r} does not occur in the training data (labels: {known})"
+                row,
+                f"label {row[self.label_column]!r} does not occur in the training data "
+                f"(labels: {known})",
             )
-        return self.label_ids[key]
-
-    def _check_labels(self, rows: list[Row]) -> None:
-        for row in rows:
-            self._label_id(row)
+        return self.label_ids[text]
 
     # -- model ---------------------------------------------------------------------------------
-    def build(self, train_rows: list[Row]) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    def build(self, train_rows: Sequence[Row]) -> None:
+        from transformers import AutoModelForSequenceClassification
 
-        values = [_label_value(row, self.label_column) for row in train_rows]
-        if all(isinstance(v, int) for v in values):
-            self.labels = sorted(set(values), key=int)
-        else:
-            # a mix of integers and names: all are names ("1" and "neg")
-            self.labels = sorted({str(v) for v in values})
-        self.label_ids = {label: i for i, label in enumerate(self.labels)}
-        for rows in self._unchecked:
-            if rows is not train_rows:
-                self._check_labels(rows)
-        self._unchecked.clear()
-
+        if not self.labels:
+            raise RuntimeError("ClassificationRecipe: read() sets the labels; call it first")
         id2label = {i: str(label) for i, label in enumerate(self.labels)}
         kwargs: dict[str, Any] = {
             "num_labels": len(self.labels),
@@ -151,43 +159,81 @@ class ClassificationRecipe(Recipe):
         }
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
-        self.tokenizer = load_pretrained(AutoTokenizer.from_pretrained, self.model_name)
+        self._load_tokenizer()
         self.model = load_pretrained(
             AutoModelForSequenceClassification.from_pretrained, self.model_name, **kwargs
         )
-        if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
-            # decoder backbones (GPT-2) have no pad token; padding is masked, any id will do
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         if getattr(self.model.config, "pad_token_id", None) is None:
             # the classification head finds each row's last real token through pad_token_id
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
-    def units(self, rows: list[Row]) -> int:
-        return len(rows)
+    def _load_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
 
-    def _logits(self, rows: list[Row]) -> torch.Tensor:
+            self.tokenizer = load_pretrained(AutoTokenizer.from_pretrained, self.model_name)
+            if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
+                # decoder backbones (GPT-2) have no pad token; padding is masked, any id will do
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+        return self.tokenizer
+
+    def _encode(self, texts: list[str], pairs: list[str] | None) -> dict[str, list[Any]]:
+        # truncated, unpadded: each micro-batch pads to its own longest row
+        encoded = self._load_tokenizer()(texts, pairs, truncation=True, max_length=self.max_seq_len)
+        out = {ENCODED + k: list(v) for k, v in encoded.items()}
+        out[LENGTH] = [len(ids) for ids in encoded["input_ids"]]
+        return out
+
+    def prepare(self, rows: Sequence[Row]) -> Sequence[Row]:
+        if not isinstance(rows, RowTable):
+            return rows
+        text, pair = self.text_column, self.text_pair_column
+
+        def encode(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+            return self._encode(batch[text], batch[pair] if pair else None)
+
+        key = f"classification|{tokenizer_key(self._load_tokenizer())}|{self.max_seq_len}|{text}|{pair}"
+        return rows.map_rows(encode, key, cache_dir=self.data_options.cache_dir)
+
+    def _encodings(self, rows: Sequence[Row]) -> list[dict[str, list[int]]]:
+        """Each row's token ids (and type ids): precomputed by ``prepare``, else encoded now."""
+        if all(ENCODED + "input_ids" in row for row in rows):
+            return [
+                {k[len(ENCODED) :]: v for k, v in row.items() if k.startswith(ENCODED)}
+                for row in rows
+            ]
         texts = [text_of(row, self.text_column) for row in rows]
         pairs = (
             [text_of(row, self.text_pair_column) for row in rows] if self.text_pair_column else None
         )
-        # padding="longest": the chunk is as wide as its longest text, not max_seq_len
-        batch = self.tokenizer(
-            texts,
-            pairs,
-            truncation=True,
-            max_length=self.max_seq_len,
-            padding="longest",
-            return_tensors="pt",
+        encoded = self._encode(texts, pairs)
+        return [{k[len(ENCODED) :]: encoded[k][i] for k in encoded} for i in range(len(rows))]
+
+    def lengths(self, rows: Sequence[Row]) -> list[int]:
+        if all(LENGTH in row for row in rows):
+            return [int(row[LENGTH]) for row in rows]
+        return [len(e["input_ids"]) for e in self._encodings(rows)]
+
+    def units(self, rows: Sequence[Row]) -> int:
+        return len(rows)
+
+    def _logits(self, rows: Sequence[Row]) -> torch.Tensor:
+        encodings = self._encodings(rows)
+        # dynamic padding: the chunk is as wide as its longest text (rounded up to the device's
+        # multiple), not max_seq_len
+        width = self.padded_width(max(len(e["input_ids"]) for e in encodings))
+        batch = self._load_tokenizer().pad(
+            encodings, padding="max_length", max_length=width, return_tensors="pt"
         )
         batch = {name: tensor.to(self.device) for name, tensor in batch.items()}
         # float(): under autocast the logits are half precision; the loss is summed in fp32
         return self.model(**batch).logits.float()
 
-    def _targets(self, rows: list[Row]) -> torch.Tensor:
+    def _targets(self, rows: Sequence[Row]) -> torch.Tensor:
         return torch.tensor([self._label_id(row) for row in rows], device=self.device)
 
     def loss(
-        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+        self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
         targets = self._targets(rows)
         logits = self._logits(rows)
@@ -195,7 +241,7 @@ class ClassificationRecipe(Recipe):
         return F.cross_entropy(logits, targets, reduction="sum") / total_units
 
     # -- eval ----------------------------------------------------------------------------------
-    def eval_partial(self, rows: list[Row]) -> tuple[list[int], list[int], float]:
+    def eval_partial(self, rows: Sequence[Row]) -> tuple[list[int], list[int], float]:
         targets = self._targets(rows)
         logits = self._logits(rows)
         loss_sum = float(F.cross_entropy(logits, targets, reduction="sum"))

@@ -14,17 +14,19 @@ MODEL is a sentence-transformers folder or a plain Hugging Face one (wrapped wit
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from memfit.data.rows import read_rows, text_of
+from memfit.data.rows import LENGTH, Column, RowTable, read_rows, text_of, tokenizer_key
 from memfit.errors import UsageError
 from memfit.train.recipes.base import Recipe, Row
 from memfit.train.recipes.loading import load_pretrained
 
 LOSSES = ("mnrl", "cached-mnrl")
+
 # the GradCache mini-batch of --loss cached-mnrl when the guard gives none
 DEFAULT_MINI_BATCH_SIZE = 32
 
@@ -101,14 +103,31 @@ class SentenceEmbeddingRecipe(Recipe):
         self.device = torch.device("cpu")
         self._losses: dict[int | None, torch.nn.Module] = {}
 
-    def read(self, path: Path, flag: str = "--train-file") -> list[Row]:
-        rows = read_rows(path, [self.anchor_column, self.positive_column], flag=flag)
-        for row in rows:
-            text_of(row, self.anchor_column)
-            text_of(row, self.positive_column)
-        return rows
+    def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
+        columns = [Column(self.anchor_column), Column(self.positive_column)]
+        return read_rows(path, columns, flag=flag, options=self.data_options)
 
-    def build(self, train_rows: list[Row]) -> None:
+    def prepare(self, rows: Sequence[Row]) -> Sequence[Row]:
+        if not isinstance(rows, RowTable):
+            return rows
+        tokenizer = self.model.tokenizer
+        anchor, positive, limit = self.anchor_column, self.positive_column, self.max_seq_len
+
+        def measure(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+            # the longer text of a pair, as the model will see it (truncated to max_seq_len)
+            a = tokenizer(batch[anchor], truncation=True, max_length=limit)["input_ids"]
+            p = tokenizer(batch[positive], truncation=True, max_length=limit)["input_ids"]
+            return {LENGTH: [max(len(x), len(y)) for x, y in zip(a, p, strict=True)]}
+
+        key = f"sentence-embedding|{tokenizer_key(tokenizer)}|{limit}|{anchor}|{positive}"
+        return rows.map_rows(measure, key, cache_dir=self.data_options.cache_dir)
+
+    def lengths(self, rows: Sequence[Row]) -> list[int] | None:
+        if rows and all(LENGTH in row for row in rows):
+            return [int(row[LENGTH]) for row in rows]
+        return None
+
+    def build(self, train_rows: Sequence[Row]) -> None:
         from sentence_transformers import SentenceTransformer
 
         # device="cpu": the loop moves it with to(); ST would otherwise pick a GPU on its own
@@ -120,10 +139,10 @@ class SentenceEmbeddingRecipe(Recipe):
         super().to(device)
         self._losses.clear()
 
-    def units(self, rows: list[Row]) -> int:
+    def units(self, rows: Sequence[Row]) -> int:
         return len(rows)
 
-    def _features(self, rows: list[Row], column: str) -> dict[str, torch.Tensor]:
+    def _features(self, rows: Sequence[Row], column: str) -> dict[str, torch.Tensor]:
         texts = [text_of(row, column) for row in rows]
         # preprocess() replaced tokenize() in sentence-transformers 6 (tokenize still warns)
         prepare = getattr(self.model, "preprocess", None) or self.model.tokenize
@@ -149,7 +168,7 @@ class SentenceEmbeddingRecipe(Recipe):
         return self._losses[key]
 
     def loss(
-        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+        self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
         module = self._loss_module(mini_batch_size, len(rows))
         features = [
@@ -160,7 +179,7 @@ class SentenceEmbeddingRecipe(Recipe):
         # loss's backward hook receives this factor as its grad_output, so it reaches every replay
         return module(features, None) * (len(rows) / total_units)
 
-    def eval_partial(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_partial(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         anchors = self.model(self._features(rows, self.anchor_column))["sentence_embedding"]
         positives = self.model(self._features(rows, self.positive_column))["sentence_embedding"]
         # on the CPU: the eval set's embeddings are kept until eval_reduce, not on the GPU
