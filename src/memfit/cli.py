@@ -141,10 +141,15 @@ def estimate_command(
 def plan_command(
     model: Annotated[str, typer.Argument(help="A known name, a model folder or a config.json.")],
     task: Annotated[str, typer.Option(help="classification | causal-lm | sentence-embedding")],
-    seq_len: Annotated[int, typer.Option(help="Tokens per sample (padded length).")],
     effective_batch_size: Annotated[
         int, typer.Option(help="Samples per optimizer step, over all GPUs: kept exactly.")
     ],
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per sample (padded length); with --train-file, default: its longest sample."
+        ),
+    ] = None,
     gpu_memory: Annotated[
         str | None, typer.Option(help="The budget, e.g. 16GiB (2^30) or 16GB (10^9).")
     ] = None,
@@ -167,13 +172,15 @@ def plan_command(
         ),
     ] = None,
     train_file: Annotated[
-        str | None, typer.Option(help="Training data (.csv/.tsv/.jsonl/.json) for lengths.")
+        str | None,
+        typer.Option(help="Training data (file or folder, as memfit train reads) for lengths."),
     ] = None,
     text_column: Annotated[
-        str | None, typer.Option(help="Text column(s) of --train-file, comma-separated.")
-    ] = None,
+        str, typer.Option(help="Text column(s) of --train-file, comma-separated.")
+    ] = "text",
     tokenizer: Annotated[
-        str | None, typer.Option(help="A local tokenizer folder for --train-file.")
+        str | None,
+        typer.Option(help="A local tokenizer folder for --train-file (default: MODEL's folder)."),
     ] = None,
     safety_margin: Annotated[
         float, typer.Option(help="Share of the budget kept free (0.05 = 5 %).")
@@ -185,18 +192,39 @@ def plan_command(
 ) -> None:
     """Fit a fine-tuning job into a memory budget, effective batch kept; exit 3 if nothing fits."""
     from memfit.plan import DataProfile, plan
+    from memfit.plan.data_profile import tokenizer_folder
 
     levers = [a for a in (allow or "").split(",") if a.strip()]
     profile = None
-    columns = [c.strip() for c in (text_column or "").split(",") if c.strip()]
+    columns = [c.strip() for c in text_column.split(",") if c.strip()]
+    if train_file is None and seq_len is None:
+        raise UsageError(
+            "--seq-len is required (or give --train-file to take it from the data's longest sample)"
+        )
     if train_file is not None:
-        missing = [f for f, v in (("--text-column", columns), ("--tokenizer", tokenizer)) if not v]
-        if missing:
-            raise UsageError(f"--train-file needs {' and '.join(missing)}")
-        assert tokenizer is not None
+        if not columns:
+            raise UsageError("--text-column: give at least one column name")
+        tokenizer = tokenizer_folder(model, tokenizer, model_flag="MODEL")
         profile = DataProfile.from_file(train_file, columns, tokenizer)
-    elif columns or tokenizer:
+    elif tokenizer or text_column != "text":
         raise UsageError("--text-column and --tokenizer describe --train-file: give it too")
+    seq_len_note = None
+    if seq_len is None:
+        assert profile is not None
+        from memfit.models import resolve_model
+
+        max_positions = resolve_model(model).max_positions
+        # a multiple of 8 keeps tensor-core shapes; the model's positions are a hard limit
+        seq_len = min(-(-profile.max_length // 8) * 8, max_positions)
+        seq_len_note = (
+            f"--seq-len {seq_len}: the longest sample of {train_file} has {profile.max_length} "
+            f"tokens (p99 {profile.percentile(99)})"
+            + (
+                f", capped at the model's {max_positions} positions"
+                if seq_len < profile.max_length
+                else (", rounded up to a multiple of 8" if seq_len > profile.max_length else "")
+            )
+        )
     result = plan(
         model,
         task=task,
@@ -212,6 +240,8 @@ def plan_command(
         safety_margin=safety_margin,
         num_labels=num_labels,
     )
+    if seq_len_note is not None:
+        result.explanation.insert(0, seq_len_note)
     if write_config is not None and result.chosen is not None:
         from memfit.config import write_config as write
 
@@ -223,7 +253,9 @@ def plan_command(
             "seq_len": seq_len,
             "effective_batch_size": effective_batch_size,
             "train_file": train_file,
-            "text_column": columns[0] if len(columns) == 1 else (columns or None),
+            "text_column": None
+            if train_file is None
+            else (columns[0] if len(columns) == 1 else columns),
             "tokenizer": tokenizer,
             **settings,
             "gpu": result.gpu,
@@ -300,6 +332,56 @@ def models_command(
         typer.echo(f"{row['name']:<50} {row['model_type']:<12} {row['max_positions']}")
 
 
+data_app = typer.Typer(
+    name="data",
+    help="Look at training data before a run: its lengths in tokens.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("profile")
+def data_profile_command(
+    file: Annotated[
+        str,
+        typer.Argument(
+            help="CSV/TSV/JSONL/JSON/Parquet file (.gz for text formats), a folder of them, "
+            "or a datasets save_to_disk folder."
+        ),
+    ],
+    model: Annotated[
+        str | None, typer.Option(help="A local model folder: its tokenizer is used.")
+    ] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="A local tokenizer folder.")] = None,
+    text_column: Annotated[
+        str, typer.Option(help="Text column(s), comma-separated: a row counts its longest.")
+    ] = "text",
+    max_seq_len: Annotated[
+        int | None,
+        typer.Option(help="Report what truncating (and padding) to this many tokens does."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes."""
+    from memfit.plan.data_profile import DataProfile, tokenizer_folder
+
+    if model is not None and tokenizer is not None:
+        raise UsageError("give --model or --tokenizer, not both (--tokenizer alone is enough)")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
+    folder = tokenizer_folder(model, tokenizer, model_flag="--model")
+    columns = [c.strip() for c in text_column.split(",") if c.strip()]
+    profile = DataProfile.from_file(file, columns, folder, flag="FILE")
+    if as_json:
+        typer.echo(json.dumps(profile.to_dict(max_seq_len)))
+    else:
+        for line in profile.summary_lines(max_seq_len):
+            typer.echo(line)
+
+
 Opt = typer.Option
 
 
@@ -364,7 +446,37 @@ def train_command(
     ] = None,
     max_seq_len: Annotated[int | None, Opt(help="Plan key: truncate to this many tokens.")] = None,
     mini_batch_size: Annotated[int | None, Opt(help="Plan key: cached-mnrl mini-batch.")] = None,
-    max_tokens_per_micro_batch: Annotated[int | None, Opt(help="Plan key (not used yet).")] = None,
+    max_tokens_per_micro_batch: Annotated[
+        int | None,
+        Opt(help="Plan key: tokens per micro-batch, padding included (token-budget batches)."),
+    ] = None,
+    labels: Annotated[
+        str | None,
+        Opt(help="classification: the label set in id order, comma-separated (neg,pos)."),
+    ] = None,
+    num_labels: Annotated[
+        int | None, Opt(help="classification: labels are the integers 0…N-1.")
+    ] = None,
+    skip_bad_rows: Annotated[
+        bool,
+        Opt(
+            "--skip-bad-rows",
+            help="Skip bad rows (listed in DIR/skipped_rows.jsonl) instead of refusing the data.",
+        ),
+    ] = False,
+    cache_dir: Annotated[
+        str | None, Opt(help="Where tokenized data is cached (default: the datasets cache).")
+    ] = None,
+    group_by_length: Annotated[
+        bool | None, Opt(help="Steps of similar-length samples: less padding.")
+    ] = None,
+    probe: Annotated[
+        bool | None,
+        Opt(help="Run one step on the longest samples first (undone), so OOM comes at step 0."),
+    ] = None,
+    padding: Annotated[
+        str | None, Opt(help="longest (dynamic, default) | max_length (pad to --max-seq-len).")
+    ] = None,
 ) -> None:
     """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
     from memfit.train.run import TrainConfig, train
@@ -385,7 +497,7 @@ def train_command(
         ):
             loaded.pop(key, None)
         settings.update(loaded)
-    given = {
+    given: dict[str, Any] = {
         "task": task,
         "model": model,
         "train_file": train_file,
@@ -419,7 +531,15 @@ def train_command(
         "max_seq_len": max_seq_len,
         "mini_batch_size": mini_batch_size,
         "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
+        "num_labels": num_labels,
+        "cache_dir": cache_dir,
+        "group_by_length": group_by_length,
+        "probe": probe,
+        "padding": padding,
+        "skip_bad_rows": skip_bad_rows or None,
     }
+    if labels is not None:
+        given["labels"] = [x.strip() for x in labels.split(",")]
     settings.update({k: v for k, v in given.items() if v is not None})
     if gpu_memory is not None:
         settings["gpu_memory"] = parse_size(gpu_memory, name="--gpu-memory")
@@ -583,7 +703,9 @@ def _demo_train() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    sys.stderr.write(f"memfit: error: {message}\n")
+    # one line per problem (bad data reports every bad row at once)
+    for line in message.splitlines() or [""]:
+        sys.stderr.write(f"memfit: error: {line}\n")
     sys.exit(code)
 
 

@@ -78,7 +78,7 @@ def test_plan_nothing_fits_exits_3_with_json(
         (["--gpu-memory", "16GiB", "--allow", "teleport"], "--allow"),
         (["--gpu", "potato"], "--gpu"),
         (["--gpu-memory", "16GiB", "--effective-batch-size", "0"], "--effective-batch-size"),
-        (["--gpu-memory", "16GiB", "--train-file", "x.csv"], "--text-column"),
+        (["--gpu-memory", "16GiB", "--train-file", "x.csv"], "--tokenizer"),
     ],
 )
 def test_plan_bad_input_is_one_line_exit_2(

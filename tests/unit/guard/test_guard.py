@@ -469,3 +469,82 @@ def test_is_oom_sees_through_wrapping_and_rejects_other_errors() -> None:
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_oom(ValueError("out of memory"))  # only runtime errors carry OOM messages
     assert not is_oom(KeyboardInterrupt())
+
+
+# -- token budgets ------------------------------------------------------------------------------
+class LengthRecipe(TokenRecipe):
+    """A token recipe that tells the guard its rows' lengths (as the real recipes do)."""
+
+    pad_multiple = 1
+
+    def __init__(self, model: nn.Module, oom_above_tokens: int | None = None) -> None:
+        super().__init__(model)
+        self.oom_above_tokens = oom_above_tokens
+        self.chunks: list[list[int]] = []
+
+    def lengths(self, rows: list[Row]) -> list[int]:
+        return [len(row["y"]) for row in rows]
+
+    def loss(
+        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+    ) -> torch.Tensor:
+        padded = len(rows) * max(len(row["y"]) for row in rows)
+        if self.oom_above_tokens is not None and padded > self.oom_above_tokens:
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({padded} padded tokens)")
+        self.chunks.append([row["id"] for row in rows])
+        return super().loss(rows, total_units)
+
+
+def test_token_budget_split_keeps_the_per_token_gradient_and_reports_padding() -> None:
+    model = make_model()
+    lengths = [3, 11, 1, 7, 2, 9, 4]
+    rows = token_rows(lengths)
+    x = torch.cat([r["x"] for r in rows])
+    y = torch.cat([r["y"] for r in rows])
+    expected = full_batch_gradient(model, x, y)
+
+    recipe = LengthRecipe(model)
+    guard = Guard(7, max_tokens=22)
+    guard.step(rows, recipe, params=list(model.parameters()))
+
+    assert_same_gradient(grads_of(model), expected)
+    assert recipe.chunks[0] == [1, 5]  # longest first: 2 × 11 = 22 tokens
+    assert all(len(c) * max(lengths[i] for i in c) <= 22 for c in recipe.chunks)
+    assert guard.last_step["tokens"] == sum(lengths)
+    assert guard.last_step["chunks"] == len(recipe.chunks)
+    assert guard.last_step["padded_tokens"] == sum(
+        len(c) * max(lengths[i] for i in c) for c in recipe.chunks
+    )
+
+
+def test_oom_under_a_token_budget_halves_the_budget_not_the_rows() -> None:
+    model = make_model()
+    rows = token_rows([10, 10, 10, 10, 2, 2, 2, 2])
+    x = torch.cat([r["x"] for r in rows])
+    y = torch.cat([r["y"] for r in rows])
+    expected = full_batch_gradient(model, x, y)
+    events: list[dict[str, Any]] = []
+    recipe = LengthRecipe(model, oom_above_tokens=20)
+    guard = Guard(8, max_tokens=40, on_event=events.append)
+    guard.step(rows, recipe, params=list(model.parameters()), step=3)
+
+    assert_same_gradient(grads_of(model), expected)
+    backoffs = [e for e in events if e["type"] == "backoff"]
+    assert backoffs[0]["max_tokens_from"] == 40 and backoffs[0]["max_tokens_to"] == 20
+    assert guard.max_tokens == 20 and guard.micro_batch_size == 8  # rows cap untouched
+    # the final attempt: two long rows per chunk, and the four short rows together (8 tokens)
+    assert recipe.chunks[-3:] == [[0, 1], [2, 3], [4, 5, 6, 7]]
+
+
+def test_token_budget_step_too_large_for_a_single_row_and_grows_back() -> None:
+    model = make_model()
+    recipe = LengthRecipe(model, oom_above_tokens=5)
+    with pytest.raises(StepTooLarge):
+        Guard(4, max_tokens=64).step(token_rows([9, 2]), recipe, params=list(model.parameters()))
+    events: list[dict[str, Any]] = []
+    guard = Guard(4, max_tokens=8, target_max_tokens=32, grow_after=1, on_event=events.append)
+    recipe = LengthRecipe(model)
+    guard.step(token_rows([4, 4]), recipe, params=list(model.parameters()), step=1)
+    guard.step(token_rows([4, 4]), recipe, params=list(model.parameters()), step=2)
+    assert events[0] == {"type": "grow", "step": 2, "max_tokens_from": 8, "max_tokens_to": 16}
+    assert guard.state_dict()["max_tokens"] == 16

@@ -84,6 +84,14 @@ class Recipe(abc.ABC):
         self.device = device
         self.model.to(device)
 
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the recipe's device; to a GPU from pinned memory without blocking
+        (the copy overlaps the queued kernels; the batches are built in the main process from
+        tokens cached once, so no DataLoader workers are needed)."""
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     @abc.abstractmethod
     def units(self, rows: list[Row]) -> int:
         """The weight of these rows in a step: samples, or target tokens (causal LM)."""

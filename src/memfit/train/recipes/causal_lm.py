@@ -196,7 +196,7 @@ class CausalLMRecipe(Recipe):
         # padding is masked by position, not by id: a real eos (packing) stays a target
         labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
         input_ids, attention_mask, labels = (
-            t.to(self.device) for t in (input_ids, attention_mask, labels)
+            self.on_device(t) for t in (input_ids, attention_mask, labels)
         )
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
         # position t predicts token t+1; float(): sum in fp32 under autocast

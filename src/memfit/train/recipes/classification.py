@@ -225,7 +225,7 @@ class ClassificationRecipe(Recipe):
         batch = self._load_tokenizer().pad(
             encodings, padding="max_length", max_length=width, return_tensors="pt"
         )
-        batch = {name: tensor.to(self.device) for name, tensor in batch.items()}
+        batch = {name: self.on_device(tensor) for name, tensor in batch.items()}
         # float(): under autocast the logits are half precision; the loss is summed in fp32
         return self.model(**batch).logits.float()
 

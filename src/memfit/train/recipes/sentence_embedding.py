@@ -148,7 +148,7 @@ class SentenceEmbeddingRecipe(Recipe):
         prepare = getattr(self.model, "preprocess", None) or self.model.tokenize
         features = prepare(texts)
         return {
-            name: value.to(self.device) if isinstance(value, torch.Tensor) else value
+            name: self.on_device(value) if isinstance(value, torch.Tensor) else value
             for name, value in features.items()
         }
 
