@@ -302,15 +302,22 @@ class Guard:
     ) -> dict[str, float]:
         """The recipe's eval metrics over ``rows`` in chunks, under ``torch.no_grad``.
 
-        On OOM only the failed chunk is re-run, smaller; finished chunks are kept. The training
-        micro-batch is left as it is (eval holds no gradients, so its sizes differ).
+        Where the recipe knows its rows' lengths the rows go longest first, in chunks under the
+        token budget too (the metrics do not depend on the order). On OOM only the failed chunk
+        is re-run, smaller; finished chunks are kept. The training micro-batch is left as it is
+        (eval holds no gradients, so its sizes differ).
         """
         size = int(micro_batch_size or self.micro_batch_size)
+        budget = self.max_tokens
+        lengths = _lengths(recipe, list(rows))
+        if lengths is not None:
+            order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+            rows = [rows[i] for i in order]
         partials: list[Any] = []
         start = 0
         with torch.no_grad():
             while start < len(rows):
-                chunk = rows[start : start + size]
+                chunk = self.chunks(list(rows[start : start + size]), recipe, size, budget)[0]
                 error: str | None = None
                 try:
                     with autocast():
@@ -326,6 +333,8 @@ class Guard:
                     continue
                 self._free_memory()
                 size = self._back_off(size, len(chunk), error, step=step, phase="eval")
+                if budget is not None:
+                    budget = max(1, (self._padded(recipe, chunk) or budget) // 2)
         return recipe.eval_reduce(partials)
 
     # -- recovery ----------------------------------------------------------------------------

@@ -298,8 +298,11 @@ def _resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _plan_knobs(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
-    """Fill the knobs the user left open: a memfit plan for the GPU (or --gpu-memory)."""
+def _plan_knobs(
+    cfg: TrainConfig, device: torch.device, *, longest: int | None = None
+) -> dict[str, Any]:
+    """Fill the knobs the user left open: a memfit plan for the GPU (or --gpu-memory), at the
+    data's longest sample (``longest`` tokens, already truncated to --max-seq-len)."""
     if cfg.micro_batch_size is not None:
         return {"source": "given"}
     budget = cfg.gpu_memory
@@ -312,6 +315,9 @@ def _plan_knobs(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     from memfit.plan import plan
 
     seq_len = cfg.max_seq_len or cfg.seq_len or (128 if cfg.task != "causal-lm" else 512)
+    if longest:
+        # a multiple of 8 (aligned shapes), never past the length the rows were cut to
+        seq_len = min(-(-longest // 8) * 8, max(seq_len, longest))
     try:
         result = plan(
             cfg.model,
@@ -494,7 +500,28 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     train_rows, eval_rows = _read_data(recipe, cfg)
     skipped = list(recipe.data_options.skipped)
     device = _resolve_device(cfg)
-    planned = _plan_knobs(cfg, device)
+    if device.type == "cpu" and cfg.precision not in (None, "fp32"):
+        raise UsageError(
+            f"--precision: {cfg.precision} mixed precision needs a CUDA GPU; use fp32 on the CPU"
+        )
+
+    # the model loads before anything is written: a model that cannot be had leaves no folder
+    torch.manual_seed(cfg.seed)
+    recipe.build(train_rows)
+    if cfg.lora_rank:
+        from memfit.estimate.workload import StepSpec, _with_lora
+
+        # the adapters the plan estimated: peft's default targets, alpha 2r, dropout 0.1
+        recipe.model = _with_lora(recipe.model, StepSpec(task=cfg.task, lora_rank=cfg.lora_rank))
+    model = recipe.model
+    # tokenized once, cached in --cache-dir (a second run with the same data reads it back)
+    train_rows = recipe.prepare(train_rows)
+    if eval_rows is not None:
+        eval_rows = recipe.prepare(eval_rows)
+    lengths = all_lengths(train_rows, recipe.lengths)
+
+    # planned for the data's longest sample (before the model takes any GPU memory)
+    planned = _plan_knobs(cfg, device, longest=max(lengths) if lengths else None)
     chosen = planned.get("plan", {})
     per_step = cfg.effective_batch_size
     micro = int(cfg.micro_batch_size or chosen.get("micro_batch_size") or per_step)
@@ -512,30 +539,13 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         max_tokens = None
     precision = cfg.precision or chosen.get("precision") or "fp32"
     if device.type == "cpu" and precision != "fp32":
-        raise UsageError(
-            f"--precision: {precision} mixed precision needs a CUDA GPU; use fp32 on the CPU"
-        )
+        precision = "fp32"  # a plan for --gpu-memory on a CPU run: the CPU trains in fp32
     checkpointing = bool(
         cfg.gradient_checkpointing
         if cfg.gradient_checkpointing is not None
         else chosen.get("gradient_checkpointing", False)
     )
-
-    # the model loads before anything is written: a model that cannot be had leaves no folder
-    torch.manual_seed(cfg.seed)
-    recipe.build(train_rows)
-    if cfg.lora_rank:
-        from memfit.estimate.workload import StepSpec, _with_lora
-
-        # the adapters the plan estimated: peft's default targets, alpha 2r, dropout 0.1
-        recipe.model = _with_lora(recipe.model, StepSpec(task=cfg.task, lora_rank=cfg.lora_rank))
-    model = recipe.model
-    # tokenized once, cached in --cache-dir (a second run with the same data reads it back)
-    train_rows = recipe.prepare(train_rows)
-    if eval_rows is not None:
-        eval_rows = recipe.prepare(eval_rows)
-    recipe.to(device)  # before the lengths: dynamic padding's multiple depends on the device
-    lengths = all_lengths(train_rows, recipe.lengths)
+    recipe.to(device)
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
