@@ -400,6 +400,9 @@ def train_command(
     output_dir: Annotated[str | None, Opt(help="The run folder.")] = None,
     text_column: Annotated[str | None, Opt(help="Text column (classification, causal-lm).")] = None,
     label_column: Annotated[str | None, Opt(help="Label column (classification).")] = None,
+    text_pair_column: Annotated[
+        str | None, Opt(help="Second text column of sentence pairs (classification).")
+    ] = None,
     anchor_column: Annotated[str | None, Opt(help="Anchor column (sentence-embedding).")] = None,
     positive_column: Annotated[
         str | None, Opt(help="Positive column (sentence-embedding).")
@@ -505,6 +508,7 @@ def train_command(
         "output_dir": output_dir,
         "text_column": text_column,
         "label_column": label_column,
+        "text_pair_column": text_pair_column,
         "anchor_column": anchor_column,
         "positive_column": positive_column,
         "loss": loss,

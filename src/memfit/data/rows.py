@@ -103,6 +103,7 @@ class DataError(UsageError):
 
     def __init__(self, problems: Sequence[Problem]) -> None:
         self.problems = list(problems)
+        self.labels: set[str] = set()  # the label values of the rows that were good
         shown = [str(p) for p in self.problems[:SHOWN_PROBLEMS]]
         rest = len(self.problems) - len(shown)
         if rest > 0:
@@ -159,8 +160,8 @@ def canonical_label(value: Any) -> str | None:
         return str(int(value)) if value.is_integer() else None
     if isinstance(value, str):
         text = value.strip()
-        if not text:
-            return None
+        if not text or any(ch in text for ch in "\n\r\t"):
+            return None  # a line break in a label is a quoting accident, not a name
         return str(int(text)) if _INTEGER.match(text) else text
     return None
 
@@ -232,7 +233,11 @@ def resolve_sources(path: str | Path, flag: str) -> list[Source]:
             "(it reads .csv, .tsv, .jsonl, .json, .parquet; move the others out)"
         )
     if not readable:
-        raise UsageError(f"{flag}: {path}: the folder holds no data files (the folder is empty)")
+        what = "only hidden files and job markers" if any(path.rglob("*")) else "nothing"
+        raise UsageError(
+            f"{flag}: {path}: the folder holds no data files ({what}; memfit reads .csv, .tsv, "
+            ".jsonl, .json, .parquet)"
+        )
     return [Source(p, _kind_of(p) or "") for p in readable]
 
 
@@ -240,10 +245,19 @@ def _suffix(path: Path) -> str:
     return "".join(path.suffixes[-2:]) if path.name.lower().endswith(".gz") else path.suffix
 
 
+# marker files that jobs (Spark, Hadoop, managed services) leave beside their data
+_MARKERS = ("_SUCCESS", "_metadata", "_common_metadata")
+
+
 def _hidden(path: Path, root: Path) -> bool:
-    # .crc, .DS_Store, _SUCCESS markers: never data
+    # hidden files (.crc, .DS_Store) and job markers: never data
     parts = path.relative_to(root).parts
-    return any(p.startswith(".") for p in parts) or path.name.startswith("_")
+    name = path.name
+    return (
+        any(p.startswith(".") for p in parts)
+        or name in _MARKERS
+        or name.startswith(("_committed_", "_started_"))
+    )
 
 
 def _split_for(folder: Path, flag: str) -> str | None:
@@ -307,7 +321,7 @@ def _good_rows(
     result: ScanResult,
 ) -> Iterator[Row]:
     for source in sources:
-        name = str(source.path)
+        name = str(source.path) + (f" [split {source.split}]" if source.split else "")
         unit = "row" if source.kind in ("parquet", "arrow") else "line"
         found = 0
         try:
@@ -434,7 +448,9 @@ def _csv_records(path: Path, delimiter: str, columns: Sequence[Column]) -> Itera
         raise _FileProblem("the file is empty")
     bad_lines: set[int] = set()
     # newline="" semantics: the csv module sees the line endings as they are
-    reader = csv.reader(_decoded_lines(path, bad_lines), delimiter=delimiter)
+    # strict: a stray or unclosed quote is an error at its line, never a field that swallows
+    # the rows after it
+    reader = csv.reader(_decoded_lines(path, bad_lines), delimiter=delimiter, strict=True)
     try:
         header = next(reader)
     except csv.Error as exc:
@@ -456,6 +472,9 @@ def _csv_records(path: Path, delimiter: str, columns: Sequence[Column]) -> Itera
             return
         except csv.Error as exc:
             last = reader.line_num
+            if "unexpected end of data" in str(exc):
+                yield first, None, "a quote opened on this line is never closed (not valid CSV)"
+                return
             yield last, None, f"not valid CSV ({exc})"
             continue
         # reader.line_num is the line the record ends on (a quoted field may span lines)
@@ -712,7 +731,10 @@ def read_rows(
     scan = _scan(sources, columns, flag, labels)
     whole_file = any(p.whole_file for p in scan.problems)
     if scan.problems and (whole_file or not options.skip_bad_rows):
-        raise DataError(scan.problems)
+        error = DataError(scan.problems)
+        # the good rows' labels: an eval file can still be checked against them, at once
+        error.labels = set(scan.labels)
+        raise error
     options.skipped.extend(scan.problems)
     if scan.rows == 0:
         raise DataError(

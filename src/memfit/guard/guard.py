@@ -293,7 +293,7 @@ class Guard:
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(
         self,
-        rows: list[Any],
+        rows: Sequence[Any],
         recipe: GuardedRecipe,
         *,
         autocast: AutocastFactory = contextlib.nullcontext,

@@ -52,6 +52,7 @@ class TrainConfig:
     eval_file: str | None = None
     text_column: str = "text"
     label_column: str = "label"
+    text_pair_column: str | None = None  # classification: a second text (sentence pairs)
     anchor_column: str = "anchor"
     positive_column: str = "positive"
     loss: str | None = None
@@ -109,7 +110,14 @@ class TrainResult:
 
 # --- validation -----------------------------------------------------------------------------------
 def check_config(cfg: TrainConfig) -> None:
-    """Every problem with the flags, at once, before anything is written."""
+    """Every problem with the flags, at once (one line each), before anything is written."""
+    problems = config_problems(cfg)
+    if problems:
+        raise UsageError("\n".join(problems))
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """The problems with the flags (and the files' existence), one message each."""
     problems: list[str] = []
     if cfg.task not in TASKS:
         problems.append(f"--task: unknown value {cfg.task!r}; one of {', '.join(TASKS)}")
@@ -200,8 +208,7 @@ def check_config(cfg: TrainConfig) -> None:
             f"--output-dir: {output} already holds a run; add --resume to continue it, "
             "or choose another folder"
         )
-    if problems:
-        raise UsageError("; ".join(problems))
+    return problems
 
 
 # --- the run ----------------------------------------------------------------------------------------
@@ -250,6 +257,7 @@ def _make_recipe(cfg: TrainConfig) -> Any:
             max_seq_len=max_len or 128,
             labels=cfg.labels,
             num_labels=cfg.num_labels,
+            text_pair_column=cfg.text_pair_column,
         )
     elif cfg.task == "causal-lm":
         options = dict(
@@ -271,25 +279,25 @@ def _make_recipe(cfg: TrainConfig) -> Any:
     return recipe
 
 
-def _read_data(recipe: Any, cfg: TrainConfig) -> tuple[Sequence[Row], Sequence[Row] | None]:
-    """The training and eval rows, checked before anything is written: every problem of both
-    files at once (a UsageError of one line per problem), or the bad rows skipped."""
+def _read_data(
+    recipe: Any, cfg: TrainConfig
+) -> tuple[Sequence[Row] | None, Sequence[Row] | None, list[str]]:
+    """The training and eval rows, checked: every problem of both files (one message per bad
+    row), or the bad rows skipped. A file that does not exist is left to ``config_problems``."""
     messages: list[str] = []
     train_rows: Sequence[Row] | None = None
     eval_rows: Sequence[Row] | None = None
-    try:
-        train_rows = recipe.read(Path(cfg.train_file))
-    except UsageError as exc:
-        messages.extend(str(exc).splitlines())
-    if cfg.eval_file:
+    if Path(cfg.train_file).exists():
+        try:
+            train_rows = recipe.read(Path(cfg.train_file))
+        except UsageError as exc:
+            messages.extend(str(exc).splitlines())
+    if cfg.eval_file and Path(cfg.eval_file).exists():
         try:
             eval_rows = recipe.read(Path(cfg.eval_file), "--eval-file")
         except UsageError as exc:
             messages.extend(str(exc).splitlines())
-    if messages:
-        raise UsageError("\n".join(messages))
-    assert train_rows is not None
-    return train_rows, eval_rows
+    return train_rows, eval_rows, messages
 
 
 def _resolve_device(cfg: TrainConfig) -> torch.device:
@@ -488,16 +496,28 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     cfg = config or TrainConfig(**knobs)
     if config is not None and knobs:
         cfg = dataclasses.replace(config, **knobs)
-    check_config(cfg)
     from transformers.utils import logging as hf_logging
 
     from memfit.guard import Guard, StepTooLarge, memory_cap
 
     hf_logging.disable_progress_bar()  # the run has its own progress line
 
-    recipe = _make_recipe(cfg)
-    # every bad row of both files is found before anything is loaded or written
-    train_rows, eval_rows = _read_data(recipe, cfg)
+    # every problem with the flags and every bad row of both files, at once, before anything is
+    # loaded or written
+    problems = config_problems(cfg)
+    recipe: Any = None
+    try:
+        recipe = _make_recipe(cfg)
+    except UsageError as exc:
+        problems.extend(x for x in str(exc).splitlines() if x not in problems)
+    train_rows: Sequence[Row] | None = None
+    eval_rows: Sequence[Row] | None = None
+    if recipe is not None:
+        train_rows, eval_rows, data_problems = _read_data(recipe, cfg)
+        problems.extend(data_problems)
+    if problems:
+        raise UsageError("\n".join(problems))
+    assert train_rows is not None
     skipped = list(recipe.data_options.skipped)
     device = _resolve_device(cfg)
     if device.type == "cpu" and cfg.precision not in (None, "fp32"):

@@ -376,3 +376,16 @@ def test_sentence_embedding_bad_rows_and_loss(minilm_dir: str, tmp_path: Path) -
     write_jsonl(tmp_path / "p.jsonl", [PAIRS[0], {"anchor": "hi"}])
     with pytest.raises(UsageError, match=r"p\.jsonl line 2: no column 'positive'"):
         SentenceEmbeddingRecipe(minilm_dir).read(tmp_path / "p.jsonl")
+
+
+def test_eval_labels_are_checked_even_when_the_training_file_has_bad_rows(
+    bert_dir: str, tmp_path: Path
+) -> None:
+    (tmp_path / "t.csv").write_text("text,label\nw1,0\n,1\nw2,1\n")
+    (tmp_path / "e.csv").write_text("text,label\nw1,0\nw2,5\n")
+    recipe = ClassificationRecipe(bert_dir)
+    with pytest.raises(UsageError, match=r"t\.csv line 3: column 'text' is empty"):
+        recipe.read(tmp_path / "t.csv")
+    # the good rows' labels (0, 1) are the set the eval file is checked against, in the same report
+    with pytest.raises(UsageError, match=r"e\.csv line 3: label '5' does not occur"):
+        recipe.read(tmp_path / "e.csv", "--eval-file")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from memfit.data.rows import (
     LENGTH,
     Column,
+    DataError,
     LabelRule,
     RowTable,
     canonical_label,
@@ -126,7 +127,14 @@ class ClassificationRecipe(Recipe):
             rule = LabelRule(frozenset(self.label_ids), self._fixed)
         elif flag != "--train-file" and self.label_ids:
             rule = LabelRule(frozenset(self.label_ids), "the training data")
-        rows = read_rows(path, columns, flag=flag, labels=rule, options=self.data_options)
+        try:
+            rows = read_rows(path, columns, flag=flag, labels=rule, options=self.data_options)
+        except DataError as exc:
+            if not self._fixed and flag == "--train-file" and exc.labels:
+                # the good rows' labels, so that the eval file's are checked in the same report
+                values = label_values(exc.labels)
+                self._set_labels(values, [str(v) for v in values])
+            raise
         if not self._fixed and flag == "--train-file":
             values = label_values(rows.label_texts)
             self._set_labels(values, [str(v) for v in values])
