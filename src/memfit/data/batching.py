@@ -4,9 +4,9 @@ deterministic, resumable length-grouped order of samples.
 - **Dynamic padding**: a micro-batch is as wide as its longest sample (rounded up to
   ``pad_multiple``, 8 on GPUs so tensor cores get aligned shapes), not ``max_seq_len``.
 - **Token-budget chunks** (:func:`split_into_chunks`): an optimizer step's samples, longest first,
-  packed greedily into micro-batches of at most ``max_rows`` samples and ``max_tokens`` tokens
-  *including padding*, so one long sample does not drag its micro-batch neighbours to its length
-  and the peak stays what the plan allowed. The step's samples are the same whatever the split, so
+  cut into the fewest micro-batches of at most ``max_rows`` samples and ``max_tokens`` tokens
+  *including padding* (and among those, the cut that pads least), so one long sample does not drag
+  its micro-batch neighbours to its length and the peak stays what the plan allowed. The step's samples are the same whatever the split, so
   the guard's equal-gradient rule holds (each chunk's loss is weighed by its samples or tokens).
 - **Length-grouped order** (:func:`length_grouped_order`): like Hugging Face's
   ``group_by_length``: a seeded permutation cut into mega-batches of 50 steps, each sorted by length
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -43,33 +44,47 @@ def split_into_chunks(
     pad_multiple: int = 1,
     sort: bool = True,
 ) -> list[list[int]]:
-    """Indices into ``lengths``, cut into micro-batches.
+    """Indices into ``lengths``, cut into micro-batches: the fewest micro-batches that keep every
+    one within ``max_rows`` samples and ``max_tokens`` tokens including padding, and among those
+    the cut that pads least.
 
-    With ``sort`` the samples go longest first (chunks of similar lengths waste least padding);
-    a chunk takes the next sample while it holds fewer than ``max_rows`` samples and its padded
-    tokens stay within ``max_tokens``. A sample longer than the budget on its own gets a chunk of
-    its own (the guard's back-off, or the probe, decides whether that fits).
+    With ``sort`` the samples go longest first, so a micro-batch is a run of similar lengths and
+    its width is its first sample's. The cut is exact (dynamic programming over the sorted run,
+    O(rows × max_rows) with numpy), not greedy: a greedy cut fills the first micro-batch of a step
+    with the longest sample and seven short ones padded to its length. A sample longer than the
+    budget on its own gets a micro-batch of its own (the guard's back-off, or the probe, decides
+    whether that fits).
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows}")
-    order = list(range(len(lengths)))
+    n = len(lengths)
+    order = list(range(n))
     if sort:
         # stable: equal lengths keep the step's order
         order.sort(key=lambda i: -int(lengths[i]))
+    if n == 0:
+        return []
+    widths = np.array([padded_width(lengths[i], pad_multiple) for i in order], dtype=np.int64)
+    # best[j]: (micro-batches, padded tokens) for the samples from position j on, as one key
+    # (micro-batches × scale + padded tokens: fewest micro-batches first, then least padding)
+    scale = int(widths.sum()) * n + 1
+    best = np.zeros(n + 1, dtype=np.int64)
+    cut = np.zeros(n, dtype=np.int64)
+    for j in range(n - 1, -1, -1):
+        width = int(widths[j])  # the longest of any chunk that starts here
+        most = min(max_rows, n - j)
+        if max_tokens is not None:
+            most = min(most, max(1, max_tokens // width))
+        sizes = np.arange(1, most + 1, dtype=np.int64)
+        keys = scale + sizes * width + best[j + 1 : j + most + 1]
+        pick = int(np.argmin(keys))
+        best[j], cut[j] = keys[pick], pick + 1
     chunks: list[list[int]] = []
-    current: list[int] = []
-    widest = 0
-    for index in order:
-        width = max(widest, padded_width(lengths[index], pad_multiple))
-        fits_rows = len(current) < max_rows
-        fits_tokens = max_tokens is None or (len(current) + 1) * width <= max_tokens
-        if current and not (fits_rows and fits_tokens):
-            chunks.append(current)
-            current, width = [], padded_width(lengths[index], pad_multiple)
-        current.append(index)
-        widest = width
-    if current:
-        chunks.append(current)
+    j = 0
+    while j < n:
+        size = int(cut[j])
+        chunks.append(order[j : j + size])
+        j += size
     return chunks
 
 

@@ -40,10 +40,24 @@ def test_token_budget_packs_short_rows_many_and_long_rows_few() -> None:
 def test_a_row_over_the_budget_goes_alone_and_the_multiple_counts() -> None:
     chunks = split_into_chunks([300, 20, 20], max_rows=4, max_tokens=64, pad_multiple=8)
     assert chunks == [[0], [1, 2]]  # 2 × 24 = 48 ≤ 64
-    assert split_into_chunks([20, 20, 20], max_rows=4, max_tokens=64, pad_multiple=8) == [
-        [0, 1],
-        [2],
-    ]  # 3 × 24 = 72 > 64
+    # 3 × 24 = 72 > 64: two micro-batches, however the three are shared out
+    chunks = split_into_chunks([20, 20, 20], max_rows=4, max_tokens=64, pad_multiple=8)
+    assert sorted(len(c) for c in chunks) == [1, 2]
+
+
+def test_the_cut_is_the_fewest_micro_batches_then_the_least_padding() -> None:
+    # a greedy cut fills the first micro-batch with the 512 and seven short rows padded to it
+    lengths = [512, 150, 100] + [60] * 29
+    chunks = split_into_chunks(lengths, max_rows=32, max_tokens=4096)
+    fed = sum(len(c) * max(lengths[i] for i in c) for c in chunks)
+    assert len(chunks) == 2
+    assert chunks[0] == [0, 1, 2] and fed == 3 * 512 + 29 * 60
+    greedy = 8 * 512 + 24 * 60
+    assert fed < greedy
+    # without a token budget: ceil(7 / 3) = 3 micro-batches, the long rows kept together
+    lengths = [30, 1, 29, 2, 28, 3, 4]
+    chunks = split_into_chunks(lengths, max_rows=3)
+    assert [sorted(lengths[i] for i in c) for c in chunks] == [[28, 29, 30], [3, 4], [1, 2]]
 
 
 def test_max_rows_must_be_positive() -> None:

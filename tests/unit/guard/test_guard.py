@@ -508,8 +508,10 @@ def test_token_budget_split_keeps_the_per_token_gradient_and_reports_padding() -
     guard.step(rows, recipe, params=list(model.parameters()))
 
     assert_same_gradient(grads_of(model), expected)
-    assert recipe.chunks[0] == [1, 5]  # longest first: 2 × 11 = 22 tokens
+    # longest first, the fewest micro-batches within 22 tokens (3), then the least padding (45)
+    assert recipe.chunks[0][0] == 1 and len(recipe.chunks) == 3
     assert all(len(c) * max(lengths[i] for i in c) <= 22 for c in recipe.chunks)
+    assert sum(len(c) * max(lengths[i] for i in c) for c in recipe.chunks) == 45
     assert guard.last_step["tokens"] == sum(lengths)
     assert guard.last_step["chunks"] == len(recipe.chunks)
     assert guard.last_step["padded_tokens"] == sum(
