@@ -17,7 +17,7 @@ deterministic, resumable length-grouped order of samples.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ def split_into_chunks(
     max_tokens: int | None = None,
     pad_multiple: int = 1,
     sort: bool = True,
+    width_of: Callable[[int], int] | None = None,
 ) -> list[list[int]]:
     """Indices into ``lengths``, cut into micro-batches: the fewest micro-batches that keep every
     one within ``max_rows`` samples and ``max_tokens`` tokens including padding, and among those
@@ -53,7 +54,9 @@ def split_into_chunks(
     O(rows × max_rows) with numpy), not greedy: a greedy cut fills the first micro-batch of a step
     with the longest sample and seven short ones padded to its length. A sample longer than the
     budget on its own gets a micro-batch of its own (the guard's back-off, or the probe, decides
-    whether that fits).
+    whether that fits). ``width_of`` maps a micro-batch's longest sample to the width it is fed
+    at (a recipe's ``padded_width``: ``max_seq_len`` for ``--padding max_length``); by default
+    the length rounded up to ``pad_multiple``.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows}")
@@ -64,19 +67,20 @@ def split_into_chunks(
         order.sort(key=lambda i: -int(lengths[i]))
     if n == 0:
         return []
-    widths = np.array([padded_width(lengths[i], pad_multiple) for i in order], dtype=np.int64)
+    width = width_of or (lambda length: padded_width(length, pad_multiple))
+    widths = np.array([width(int(lengths[i])) for i in order], dtype=np.int64)
     # best[j]: (micro-batches, padded tokens) for the samples from position j on, as one key
     # (micro-batches × scale + padded tokens: fewest micro-batches first, then least padding)
     scale = int(widths.sum()) * n + 1
     best = np.zeros(n + 1, dtype=np.int64)
     cut = np.zeros(n, dtype=np.int64)
     for j in range(n - 1, -1, -1):
-        width = int(widths[j])  # the longest of any chunk that starts here
+        first = int(widths[j])  # the width of any chunk that starts here (sorted: its longest)
         most = min(max_rows, n - j)
         if max_tokens is not None:
-            most = min(most, max(1, max_tokens // width))
+            most = min(most, max(1, max_tokens // first))
         sizes = np.arange(1, most + 1, dtype=np.int64)
-        keys = scale + sizes * width + best[j + 1 : j + most + 1]
+        keys = scale + sizes * first + best[j + 1 : j + most + 1]
         pick = int(np.argmin(keys))
         best[j], cut[j] = keys[pick], pick + 1
     chunks: list[list[int]] = []

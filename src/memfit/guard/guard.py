@@ -257,6 +257,8 @@ class Guard:
             max_rows=max_rows,
             max_tokens=max_tokens,
             pad_multiple=getattr(recipe, "pad_multiple", 1),
+            # the width the recipe really feeds (max_seq_len under --padding max_length)
+            width_of=getattr(recipe, "padded_width", None),
         )
         return [[rows[i] for i in group] for group in groups]
 
@@ -334,7 +336,7 @@ class Guard:
                 self._free_memory()
                 size = self._back_off(size, len(chunk), error, step=step, phase="eval")
                 if budget is not None:
-                    budget = max(1, (self._padded(recipe, chunk) or budget) // 2)
+                    budget = max(1, min(budget, self._padded(recipe, chunk) or budget) // 2)
         return recipe.eval_reduce(partials)
 
     # -- recovery ----------------------------------------------------------------------------
@@ -361,9 +363,10 @@ class Guard:
         rows, padded = self._chunk
         event = {"type": "oom", "step": step, "micro_batch_size": rows, "padded_tokens": padded}
         self._emit({**event, "max_tokens": self.max_tokens, "error": error})
-        if rows <= 1 or not padded:
+        if rows <= 1 or not padded or self.max_tokens is None or self.max_tokens <= 1:
             raise StepTooLarge(error, micro_batch_size=1, phase="train")
-        new = max(1, padded // 2)
+        # half of what failed, and always below the budget before: the retries end
+        new = max(1, min(self.max_tokens, padded) // 2)
         self._emit(
             {
                 "type": "backoff",

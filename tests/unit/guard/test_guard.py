@@ -550,3 +550,40 @@ def test_token_budget_step_too_large_for_a_single_row_and_grows_back() -> None:
     guard.step(token_rows([4, 4]), recipe, params=list(model.parameters()), step=2)
     assert events[0] == {"type": "grow", "step": 2, "max_tokens_from": 8, "max_tokens_to": 16}
     assert guard.state_dict()["max_tokens"] == 16
+
+
+class FixedWidthRecipe(LengthRecipe):
+    """--padding max_length: every row is fed at max_seq_len, whatever its length."""
+
+    max_seq_len = 16
+
+    def padded_width(self, longest: int) -> int:
+        return self.max_seq_len
+
+    def loss(
+        self, rows: list[Row], total_units: int, *, mini_batch_size: int | None = None
+    ) -> torch.Tensor:
+        fed = len(rows) * self.max_seq_len
+        if self.oom_above_tokens is not None and fed > self.oom_above_tokens:
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({fed} fed tokens)")
+        self.chunks.append([row["id"] for row in rows])
+        return TokenRecipe.loss(self, rows, total_units)
+
+
+def test_the_budget_counts_the_width_really_fed_and_back_off_always_shrinks() -> None:
+    model = make_model()
+    recipe = FixedWidthRecipe(model, oom_above_tokens=32)
+    events: list[dict[str, Any]] = []
+    guard = Guard(8, max_tokens=64, on_event=events.append)
+    guard.step(token_rows([3] * 8), recipe, params=list(model.parameters()), step=1)
+    # 64 tokens at width 16 is 4 rows (not 21 rows of 3); after the OOM at 64, 2 rows (32)
+    assert [len(c) for c in recipe.chunks[-4:]] == [2, 2, 2, 2]
+    budgets = [e["max_tokens_to"] for e in events if e["type"] == "backoff"]
+    assert budgets == [32]
+    # a budget the recipe can never meet ends in StepTooLarge, not in endless retries
+    with pytest.raises(StepTooLarge):
+        Guard(8, max_tokens=64).step(
+            token_rows([3] * 4),
+            FixedWidthRecipe(model, oom_above_tokens=8),
+            params=list(model.parameters()),
+        )
