@@ -26,29 +26,6 @@ from memfit.train.run import TrainConfig, train
 WORDS = [f"w{i}" for i in range(60)]
 
 
-@pytest.fixture(scope="module")
-def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny-classifier")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=256,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder)
-    return str(folder)
-
-
 def _write_data(path: Path, rows: int, *, long_row: int | None = None, seed: int = 0) -> Path:
     rng = random.Random(seed)
     lines = ["text,label"]
@@ -149,12 +126,10 @@ def test_oom_deep_in_the_epoch_same_weights(tiny_classifier: str, tmp_path: Path
 
 
 def test_probe_turns_a_late_oom_into_a_plan_at_step_0(tiny_classifier: str, tmp_path: Path) -> None:
-    data, seed, cap, deep = _late_oom_case(tiny_classifier, tmp_path)
+    data, seed, cap, _deep = _late_oom_case(tiny_classifier, tmp_path)
     # the reference: no cap and no probe at all
     plain = _run(tiny_classifier, data, tmp_path / "plain", seed=seed)
-    capped = _run(
-        tiny_classifier, data, tmp_path / "capped", memory_cap=cap, seed=seed, probe=True
-    )
+    capped = _run(tiny_classifier, data, tmp_path / "capped", memory_cap=cap, seed=seed, probe=True)
     ooms = [e for e in capped["events"] if e["type"] == "oom"]
     # the OOM that step deep + 1 would have met comes at step 0, and never again
     assert ooms and {e["step"] for e in ooms} == {0}

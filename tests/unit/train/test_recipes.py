@@ -221,7 +221,9 @@ def test_classification_unknown_eval_label(bert_dir: str, tmp_path: Path) -> Non
         recipe.read(evaluation, "--eval-file")
     # --labels / --num-labels fix the set before any file is read
     fixed = ClassificationRecipe(bert_dir, labels=["0", "1"])
-    with pytest.raises(UsageError, match=r"line 2: label 7 is not one of the labels given by --labels"):
+    with pytest.raises(
+        UsageError, match=r"line 2: label 7 is not one of the labels given by --labels"
+    ):
         fixed.read(evaluation, "--eval-file")
     counted = ClassificationRecipe(bert_dir, num_labels=3)
     counted.read(train)
