@@ -342,3 +342,24 @@ def test_lora_trains_adapters_and_saves_a_plain_model(tiny_classifier: str, tmp_
     assert float((merged[key] - base[key.removeprefix("bert.")]).abs().max()) > 0
     emb = next(k for k in merged if k.endswith("word_embeddings.weight"))
     torch.testing.assert_close(merged[emb], base[emb.removeprefix("bert.")])
+
+
+def test_token_budget_batches_keep_the_weights_and_cut_padding(
+    tiny_classifier: str, tmp_path: Path
+) -> None:
+    # one long text among short ones: the budget splits its step longest first, the others not
+    data = _write_data(tmp_path / "train.csv", 32, long_row=11)
+    plain = _run(tiny_classifier, data, tmp_path / "plain")
+    budget = _run(
+        tiny_classifier, data, tmp_path / "budget", max_tokens_per_micro_batch=160, probe=True
+    )
+    fixed = _run(tiny_classifier, data, tmp_path / "fixed", padding="max_length", max_seq_len=160)
+    for m in budget["metrics"]:
+        assert m["max_tokens_per_micro_batch"] == 160
+        # no micro-batch fed more than the budget (a lone long row may, on its own)
+        assert m["padded_tokens"] <= 160 * m["gradient_accumulation_steps"]
+    assert max(m["gradient_accumulation_steps"] for m in budget["metrics"]) > 1
+    # the same samples and weights as the whole batch at once (dropout off, SGD)
+    _assert_same_run(plain, budget, 1e-5)
+    fed = sum(m["padded_tokens"] for m in budget["metrics"])
+    assert fed < 0.5 * sum(m["padded_tokens"] for m in fixed["metrics"])

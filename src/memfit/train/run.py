@@ -793,7 +793,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 # the state the probe created goes; step 1 creates it anew, as without a probe
                 optimizer.state.clear()
             with torch.no_grad():
-                for param, saved in zip(model.parameters(), snapshot, strict=True):
+                for param, saved in zip(params, snapshot, strict=True):
                     param.copy_(saved)
             _set_rng_state(device, rng)
         # the plan is corrected: a later grow never goes past what the longest rows allowed
@@ -813,9 +813,10 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             }
         )
 
-    # a copy of the weights (on the CPU, outside the memory cap) that the probe puts back
+    # a copy of the trained weights (on the CPU, outside the memory cap) that the probe puts
+    # back; frozen ones (LoRA's base model) are never changed by an optimizer step
     snapshot = (
-        [p.detach().to("cpu", copy=True) for p in model.parameters()]
+        [p.detach().to("cpu", copy=True) for p in params]
         if cfg.probe and lengths is not None and step < total_steps
         else None
     )
