@@ -480,6 +480,13 @@ def train_command(
     padding: Annotated[
         str | None, Opt(help="longest (dynamic, default) | max_length (pad to --max-seq-len).")
     ] = None,
+    memory_snapshot: Annotated[
+        bool,
+        Opt(
+            "--memory-snapshot",
+            help="CUDA: dump the allocator's history at each OOM (DIR/memory-snapshots/).",
+        ),
+    ] = False,
 ) -> None:
     """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
     from memfit.train.run import TrainConfig, train
@@ -540,6 +547,7 @@ def train_command(
         "group_by_length": group_by_length,
         "probe": probe,
         "padding": padding,
+        "memory_snapshot": memory_snapshot or None,
         "skip_bad_rows": skip_bad_rows or None,
     }
     if labels is not None:

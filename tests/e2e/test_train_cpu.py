@@ -363,3 +363,18 @@ def test_token_budget_batches_keep_the_weights_and_cut_padding(
     _assert_same_run(plain, budget, 1e-5)
     fed = sum(m["padded_tokens"] for m in budget["metrics"])
     assert fed < 0.5 * sum(m["padded_tokens"] for m in fixed["metrics"])
+
+
+def test_each_step_logs_its_phase_peaks_under_the_cap(tiny_classifier: str, tmp_path: Path) -> None:
+    data = _write_data(tmp_path / "train.csv", 16)
+    run = _run(
+        tiny_classifier, data, tmp_path / "run", memory_cap=1 << 40, optimizer="adamw", lr=1e-3
+    )
+    for m in run["metrics"]:
+        phases = [m["forward_peak_bytes"], m["backward_peak_bytes"], m["optimizer_peak_bytes"]]
+        # the step's peak is the highest of its phases; every phase holds at least the weights
+        assert m["peak_bytes"] == max(phases)
+        assert min(phases) > 0
+    first, second = run["metrics"][0], run["metrics"][1]
+    # AdamW's state appears in the first optimizer phase: from step 2 on it is held all along
+    assert second["forward_peak_bytes"] > first["forward_peak_bytes"]

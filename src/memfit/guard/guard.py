@@ -58,6 +58,10 @@ def _lengths(recipe: Any, rows: list[Any]) -> list[int] | None:
     return None if lengths is None else lengths(rows)
 
 
+def _no_phase(name: str) -> None:
+    return None
+
+
 class StepTooLarge(Exception):
     """Even micro-batch 1 runs out of memory; the gradients are cleared already.
 
@@ -135,6 +139,8 @@ class Guard:
         device: torch.device | None = None,
         max_tokens: int | None = None,
         target_max_tokens: int | None = None,
+        on_phase: Callable[[str], None] | None = None,
+        on_oom: Callable[[BaseException], None] | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -152,6 +158,10 @@ class Guard:
         self.max_tokens = int(max_tokens) if max_tokens else None
         self.target_max_tokens = int(target_max_tokens or max_tokens or 0) or None
         self._growing = False  # the step in flight tries a grown micro-batch
+        # called as each phase starts ("forward", "backward"): per-phase memory peaks
+        self.on_phase = on_phase
+        # called with a caught OOM before its graph is released (a CUDA memory snapshot)
+        self.on_oom = on_oom
         # the chunk in flight (rows, padded tokens): what an OOM backs off from
         self._chunk: tuple[int, int | None] = (0, None)
         # what the last finished step ran: chunks, real tokens, padded tokens (None: unknown)
@@ -186,6 +196,8 @@ class Guard:
                 if not is_oom(exc):
                     raise
                 error = _first_line(exc)
+                if self.on_oom is not None:
+                    self.on_oom(exc)
                 _release(exc)
             if error is None:
                 break
@@ -217,18 +229,23 @@ class Guard:
     ) -> float:
         total_units = recipe.units(rows)
         self._chunk = (0, None)
+        phase = self.on_phase or _no_phase
         if not recipe.splittable:
             # the recipe splits internally (GradCache) without changing the gradient
+            phase("forward")
             with autocast():
                 loss = recipe.loss(rows, total_units, mini_batch_size=size)
+            phase("backward")
             scale(loss).backward()
             return float(loss.detach())
         step_loss = 0.0
         chunks = self.chunks(rows, recipe, size, self.max_tokens)
         for chunk in chunks:
             self._chunk = (len(chunk), self._padded(recipe, chunk))
+            phase("forward")
             with autocast():
                 loss = recipe.loss(chunk, total_units)
+            phase("backward")
             scale(loss).backward()
             step_loss += float(loss.detach())
             # the graph is freed by backward; drop the last reference before the next forward

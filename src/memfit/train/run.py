@@ -96,6 +96,9 @@ class TrainConfig:
     group_by_length: bool = False  # steps of similar-length samples (less padding)
     probe: bool = True  # one step on the longest samples before step 1, undone afterwards
     padding: str = "longest"  # longest (dynamic padding) | max_length (every row to max_seq_len)
+    # CUDA: record the allocator's history and dump a snapshot (DIR/memory-snapshots/) at each
+    # caught OOM, for PyTorch's memory viewer (https://pytorch.org/memory_viz)
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -170,6 +173,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     for flag, path in (("--train-file", cfg.train_file), ("--eval-file", cfg.eval_file)):
         if path is not None and not Path(path).exists():
             problems.append(f"{flag}: {path}: no such file or folder")
+    if cfg.memory_snapshot and not torch.cuda.is_available():
+        problems.append("--memory-snapshot: needs a CUDA GPU (it records the CUDA allocator)")
     if cfg.padding not in ("longest", "max_length"):
         problems.append(f"--padding: unknown value {cfg.padding!r}; longest or max_length")
     if cfg.max_grad_norm is not None and cfg.max_grad_norm < 0:
@@ -353,13 +358,28 @@ def _plan_knobs(
 
 
 class _PeakMemory:
-    """Peak memory of one step, cheap enough for every step."""
+    """Peak memory of one step, and of its phases (forward, backward, optimizer) where that is
+    cheap: on CUDA (the allocator's own counters) and under the CPU memory cap. Without a cap the
+    CPU reports the process's peak resident memory for the whole step only (each reset walks the
+    page tables)."""
+
+    PHASES = ("forward", "backward", "optimizer")
 
     def __init__(self, device: torch.device, cap: Any) -> None:
         self.device, self.cap = device, cap
         self._proc = Path("/proc/self/clear_refs").exists()
+        self.phased = device.type == "cuda" or cap is not None
+        self._phase: str | None = None
+        self.phase_peaks: dict[str, int] = {}
+        self._step_peak = 0
+        self._reserved = 0
 
     def reset(self) -> None:
+        """At a step's start: forget the last step's peaks."""
+        self._phase, self.phase_peaks, self._step_peak, self._reserved = None, {}, 0, 0
+        self._reset()
+
+    def _reset(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.cap is not None:
@@ -368,7 +388,21 @@ class _PeakMemory:
             with contextlib.suppress(OSError):
                 Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS
 
-    def read(self) -> int | None:
+    def phase(self, name: str | None) -> None:
+        """The phase ``name`` starts (None: no phase): the one before ends and keeps its peak."""
+        if not self.phased:
+            return
+        current = self._current()
+        if current is not None:
+            self._step_peak = max(self._step_peak, current)
+            if self._phase is not None:
+                self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), current)
+        if self.device.type == "cuda":
+            self._reserved = max(self._reserved, int(torch.cuda.max_memory_reserved(self.device)))
+        self._phase = name
+        self._reset()
+
+    def _current(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         if self.cap is not None:
@@ -378,6 +412,27 @@ class _PeakMemory:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
         return None
+
+    def read(self) -> int | None:
+        """The step's peak: allocated bytes (CUDA), live tensor bytes (cap), or peak RSS."""
+        self.phase(None)
+        current = self._current()
+        if current is None:
+            return None
+        return max(self._step_peak, current)
+
+    def record(self) -> dict[str, int]:
+        """The step's extra keys for metrics.jsonl: per-phase peaks, CUDA's reserved peak."""
+        out = {
+            f"{name}_peak_bytes": self.phase_peaks[name]
+            for name in self.PHASES
+            if name in self.phase_peaks
+        }
+        if self.device.type == "cuda":
+            out["reserved_bytes"] = max(
+                self._reserved, int(torch.cuda.max_memory_reserved(self.device))
+            )
+        return out
 
 
 def _optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: float) -> Any:
@@ -829,6 +884,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         if cap is not None:
             cap.track(model, optimizer)
         peak = _PeakMemory(device, cap)
+        guard.on_phase = peak.phase
+        if cfg.memory_snapshot and device.type == "cuda":
+            guard.on_oom = _snapshot_writer(out / "memory-snapshots", on_event)
         stop = stack.enter_context(_Stop())
         if snapshot is not None:
             probe()
@@ -844,6 +902,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             peak.reset()
             t0 = time.perf_counter()
             loss_value = guarded_step(rows, step + 1)
+            peak.phase("optimizer")  # clipping, the update and zero_grad
             if scaler is not None:
                 scaler.unscale_(optimizer)
             grad_norm = None
@@ -876,6 +935,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 if recipe.splittable
                 else None,
                 "peak_bytes": peak.read(),
+                **peak.record(),
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "seconds": round(seconds, 4),
@@ -919,6 +979,33 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+# at most this many snapshots a run (each is tens of MB)
+MAX_SNAPSHOTS = 3
+
+
+def _snapshot_writer(
+    folder: Path, on_event: Callable[[dict[str, Any]], None]
+) -> Callable[[BaseException], None]:
+    """Start recording the CUDA allocator's history; the returned hook dumps a snapshot of it
+    when the guard catches an OOM (before the failed graph is released, so the snapshot shows
+    what filled the memory)."""
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    written: list[Path] = []
+
+    def dump(exc: BaseException) -> None:
+        if len(written) >= MAX_SNAPSHOTS:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"oom-{len(written) + 1}.pickle"
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.cuda.memory._dump_snapshot(str(tmp))
+        os.replace(tmp, path)
+        written.append(path)
+        on_event({"type": "memory_snapshot", "path": str(path), "error": str(exc)[:200]})
+
+    return dump
 
 
 def _take(rows: Sequence[Row], indices: Sequence[int]) -> list[Row]:
