@@ -104,9 +104,22 @@ def estimate_command(
         ),
     ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plot: Annotated[
+        str | None,
+        typer.Option(help="Also draw the breakdown as a picture: FILE.png (or .svg, .pdf)."),
+    ] = None,
 ) -> None:
     """Predict the peak memory of one steady-state training (or eval) step, offline."""
     from memfit.estimate import estimate
+
+    if plot is not None:
+        from pathlib import Path
+
+        # a bad path fails before the estimate's trace, not after it
+        if Path(plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise UsageError(f"--plot: {plot} must end in .png, .svg or .pdf")
+        if not Path(plot).parent.is_dir():
+            raise UsageError(f"--plot: the folder {Path(plot).parent} does not exist")
 
     result = estimate(
         model,
@@ -135,6 +148,17 @@ def estimate_command(
         from memfit.report.console import print_estimate
 
         print_estimate(result)
+    if plot is not None:
+        from memfit.report.plots import breakdown_plot, save_figure
+
+        figure = breakdown_plot(
+            result.breakdown,
+            budget=result.budget_bytes,
+            title=f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}",
+        )
+        save_figure(figure, plot, flag="--plot")
+        # stdout stays one JSON object under --json
+        typer.echo(f"wrote {plot}", err=as_json)
 
 
 @app.command("plan")
@@ -276,6 +300,23 @@ def plan_command(
         if write_config is not None:
             sys.stderr.write(f"memfit: nothing fits: {write_config} not written\n")
         raise typer.Exit(3)
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[
+        str, typer.Argument(metavar="RUN_DIR", help="The --output-dir of a memfit train run.")
+    ],
+    no_estimate: Annotated[
+        bool,
+        typer.Option("--no-estimate", help="Do not ask memfit.estimate for the breakdown."),
+    ] = False,
+) -> None:
+    """Write RUN_DIR/report.html (self-contained) and its plots as PNG files beside it."""
+    from memfit.report.html import PLOTS, write_report
+
+    path = write_report(run_dir, estimate=not no_estimate)
+    typer.echo(f"wrote {path} (and {', '.join(PLOTS)} beside it)")
 
 
 @app.command("gpus")
@@ -589,6 +630,84 @@ def train_command(
             f"done: {result.steps} steps, {result.samples_seen} samples; model in {result.output_dir}/model"
             + (f"; eval: {metrics}" if metrics else "")
         )
+
+
+@app.command("doctor")
+def doctor_command(
+    run_dir: Annotated[
+        str | None, typer.Argument(help="A memfit train output folder (events.jsonl, run.json).")
+    ] = None,
+    message: Annotated[str | None, typer.Option(help="The out-of-memory message, pasted.")] = None,
+    file: Annotated[
+        str | None, typer.Option(help="A log file (or -, standard input): its last OOM message.")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="The job's model (as memfit estimate takes it): fixes get saves_bytes."),
+    ] = None,
+    task: Annotated[
+        str | None,
+        typer.Option(help="With --model: classification | causal-lm | sentence-embedding"),
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(help="With --model: the micro-batch that ran out of memory.")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="With --model: tokens per sample.")] = None,
+    precision: Annotated[str, typer.Option(help="fp32 | fp16 | bf16")] = "fp32",
+    optimizer: Annotated[str, typer.Option(help="adamw | adamw-8bit | adafactor | sgd")] = "adamw",
+    gradient_checkpointing: Annotated[
+        bool, typer.Option("--gradient-checkpointing", help="The job already recomputes.")
+    ] = False,
+    num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
+    loss: Annotated[str | None, typer.Option(help="sentence-embedding loss.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="The job trains LoRA adapters.")] = None,
+    gradient_accumulation_steps: Annotated[
+        int, typer.Option(help="Micro-batches per optimizer step.")
+    ] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Explain an out-of-memory error (a message, a log or a run folder) and rank the fixes."""
+    from memfit.report import doctor
+
+    given = [
+        name
+        for name, v in (("--message", message), ("--file", file), ("RUN_DIR", run_dir))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise UsageError(
+            "give exactly one of --message TEXT, --file LOG or RUN_DIR"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    knobs = None
+    if model is not None:
+        missing = [
+            f
+            for f, v in (("--task", task), ("--batch-size", batch_size), ("--seq-len", seq_len))
+            if v is None
+        ]
+        if missing:
+            raise UsageError(f"--model: also give {', '.join(missing)} to price the fixes")
+        if run_dir is not None:
+            raise UsageError("--model: a run folder names its own model (run.json); drop --model")
+        assert task is not None and batch_size is not None and seq_len is not None
+        knobs = doctor.Knobs(
+            model=model, task=task, batch_size=batch_size, seq_len=seq_len, precision=precision,
+            gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
+            num_labels=num_labels, loss=loss, lora_rank=lora_rank,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )  # fmt: skip
+    if message is not None:
+        result = doctor.from_text(message, flag="--message", knobs=knobs)
+    elif file is not None:
+        result = doctor.from_file(file, knobs=knobs)
+    else:
+        assert run_dir is not None
+        result = doctor.from_run_dir(run_dir)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        typer.echo(doctor.format_text(result))
 
 
 @app.command("demo")

@@ -1,0 +1,462 @@
+"""Pictures of a run and of an estimate (matplotlib, drawn off-screen).
+
+Every function returns a ``matplotlib.figure.Figure`` built without pyplot: no global figure
+state, no window, the Agg renderer whatever backend the caller's session uses. Event markers are
+``Line2D`` objects whose ``gid`` names the event type (``"oom"``, ``"backoff"``, ``"grow"``,
+``"probe"``, ``"resume"``, ``"stop"``) and whose x data are the events' steps, so a test (or a
+notebook) can ask the figure where it drew them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UsageError
+from memfit.units import format_bytes
+
+try:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+except ImportError:  # pragma: no cover - matplotlib is in memfit[all]
+    Figure = None  # type: ignore[assignment,misc]
+
+# the estimate's categories, bottom to top of the stacked bar, with fixed colours
+CATEGORIES = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "transient",
+    "allocator_overhead",
+    "runtime_overhead",
+)
+_CATEGORY_COLOURS = {
+    "parameters": "#4c72b0",
+    "buffers": "#8da0cb",
+    "gradients": "#55a868",
+    "optimizer_state": "#c9a227",
+    "activations": "#dd8452",
+    "transient": "#e5ae8a",
+    "allocator_overhead": "#8c8c8c",
+    "runtime_overhead": "#b3b3b3",
+}
+# event type -> (colour, marker, label); OOM red, back-off orange, grow green, probe purple
+EVENT_STYLES = {
+    "oom": ("#d62728", "X", "OOM"),
+    "backoff": ("#ff7f0e", "v", "back-off"),
+    "grow": ("#2ca02c", "^", "grow"),
+    "probe": ("#9467bd", "D", "probe (step 0)"),
+    "resume": ("#7f7f7f", "o", "resume"),
+    "stop": ("#000000", "s", "stop"),
+}
+
+
+def _require_matplotlib() -> None:
+    if Figure is None:
+        raise UsageError(
+            "memfit report and --plot need matplotlib: pip install 'memfit[all]' (or matplotlib)"
+        )
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The binary unit an axis whose largest value is ``largest`` bytes reads best in."""
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def train_lines(metrics: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The optimizer-step lines of metrics.jsonl (eval lines carry ``eval_*`` keys, no loss)."""
+    return [m for m in metrics if "step" in m and ("loss" in m or "peak_bytes" in m)]
+
+
+def eval_lines(metrics: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The eval lines of metrics.jsonl: those with an ``eval_<metric>`` key."""
+    return [m for m in metrics if "step" in m and any(k.startswith("eval_") for k in m)]
+
+
+def _series(lines: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    points = [
+        (float(m["step"]), float(m[key]))
+        for m in lines
+        if isinstance(m.get(key), int | float) and not isinstance(m.get(key), bool)
+    ]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _event_label(event: Mapping[str, Any]) -> str:
+    kind = event.get("type")
+    if kind == "oom":
+        size = event.get("micro_batch_size")
+        tokens = event.get("max_tokens")
+        return f"OOM mb {size}" + (f", {tokens} tok" if tokens else "")
+    if kind in ("backoff", "grow"):
+        if "cure" in event:
+            return str(event["cure"])
+        if "max_tokens_from" in event:
+            return f"{event.get('max_tokens_from')}→{event.get('max_tokens_to')} tok"
+        return f"mb {event.get('from')}→{event.get('to')}"
+    if kind == "probe":
+        return f"probe mb {event.get('micro_batch_size')}"
+    return str(kind)
+
+
+def _step_label(kind: str, found: Sequence[Mapping[str, Any]]) -> str:
+    """One label for the events of one kind at one step: ``OOM at mb 8, 4``, ``mb 8→4→2``."""
+    if kind == "oom" and all("max_tokens" not in e for e in found):
+        return "OOM at mb " + ", ".join(str(e.get("micro_batch_size")) for e in found)
+    if kind == "backoff" and all("from" in e and "to" in e for e in found):
+        chain = [found[0]["from"]] + [e["to"] for e in found]
+        return "back-off mb " + "→".join(str(x) for x in chain)
+    texts = [_event_label(e) for e in found]
+    return texts[0] + (f" (+{len(texts) - 1})" if len(texts) > 1 else "")
+
+
+def memory_plot(
+    metrics: Sequence[Mapping[str, Any]],
+    events: Sequence[Mapping[str, Any]] = (),
+    budget: int | None = None,
+    *,
+    budget_label: str = "budget",
+) -> Figure:
+    """Peak memory per optimizer step, the budget line, and OOM / back-off / grow / probe events.
+
+    Below it, the micro-batch size per step, where a back-off shows as a drop. Optional keys
+    (``reserved_bytes``, ``forward_peak_bytes``, ``backward_peak_bytes``,
+    ``optimizer_peak_bytes``) are drawn when the metrics have them.
+    """
+    _require_matplotlib()
+    steps = train_lines(metrics)
+    fig = Figure(figsize=(10, 6.2), layout="constrained")
+    memory_ax, batch_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    curves = [
+        ("peak_bytes", "peak (allocated)", "#1f77b4", "-", 2.0),
+        ("reserved_bytes", "peak reserved (CUDA)", "#17becf", "-", 1.5),
+        ("forward_peak_bytes", "forward peak", "#aec7e8", "--", 1.0),
+        ("backward_peak_bytes", "backward peak", "#98df8a", "--", 1.0),
+        ("optimizer_peak_bytes", "optimizer peak", "#c5b0d5", "--", 1.0),
+    ]
+    drawn = {key: _series(steps, key) for key, *_ in curves}
+    values = [v for _, ys in drawn.values() for v in ys] + ([budget] if budget else [])
+    unit, size = byte_unit(max(values, default=0))
+    for key, label, colour, style, width in curves:
+        xs, ys = drawn[key]
+        if not xs:
+            continue
+        marker = "o" if len(xs) <= 40 else None
+        memory_ax.plot(
+            xs,
+            [y / size for y in ys],
+            style,
+            color=colour,
+            lw=width,
+            marker=marker,
+            ms=3,
+            label=label,
+            gid=f"memory:{key}",
+        )
+    if budget:
+        memory_ax.axhline(
+            budget / size,
+            color="#d62728",
+            ls="--",
+            lw=1.5,
+            label=f"{budget_label} {format_bytes(budget)}",
+            gid="budget",
+        )
+    if not steps:
+        memory_ax.text(
+            0.5, 0.5, "no optimizer steps logged", ha="center", transform=memory_ax.transAxes
+        )
+    memory_ax.set_ylabel(f"memory ({unit})")
+    memory_ax.set_ylim(bottom=0, top=max(values, default=1) / size * 1.18 or 1)
+    memory_ax.grid(alpha=0.3)
+    memory_ax.set_title("Memory per optimizer step")
+
+    # events: a vertical line at each step, one marker per event type near the top, labelled
+    by_type: dict[str, list[Mapping[str, Any]]] = {}
+    for event in events:
+        if event.get("type") in EVENT_STYLES and isinstance(event.get("step"), int):
+            by_type.setdefault(str(event["type"]), []).append(event)
+    # in axes fractions: the top band for the guard's events, the bottom for resume and stop
+    height = {
+        "oom": 0.94,
+        "backoff": 0.86,
+        "grow": 0.86,
+        "probe": 0.78,
+        "resume": 0.05,
+        "stop": 0.05,
+    }
+    for kind, found in by_type.items():
+        colour, marker, label = EVENT_STYLES[kind]
+        at = sorted({int(e["step"]) for e in found})
+        for step in at:
+            memory_ax.axvline(
+                step, color=colour, lw=1.2 if kind == "oom" else 0.8, ls=":", alpha=0.8
+            )
+        memory_ax.plot(
+            at,
+            [height[kind]] * len(at),
+            linestyle="none",
+            marker=marker,
+            ms=11 if kind == "oom" else 8,
+            color=colour,
+            markeredgecolor="black" if kind == "oom" else colour,
+            transform=memory_ax.get_xaxis_transform(),
+            label=f"{label} ({len(found)})",
+            gid=kind,
+            zorder=5,
+        )
+        if kind in ("oom", "backoff", "probe"):
+            for step in at[:12]:  # a label per step; a run with many events keeps the first
+                text = _step_label(kind, [e for e in found if e["step"] == step])
+                memory_ax.annotate(
+                    text,
+                    (step, height[kind]),
+                    xycoords=memory_ax.get_xaxis_transform(),
+                    xytext=(7, -3),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color=colour,
+                    fontweight="bold" if kind == "oom" else "normal",
+                )
+    if memory_ax.get_legend_handles_labels()[0]:
+        memory_ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+
+    xs, ys = _series(steps, "micro_batch_size")
+    if xs:
+        batch_ax.step(
+            xs, ys, where="mid", color="#444444", label="micro-batch size", gid="micro_batch_size"
+        )
+        batch_ax.set_ylim(bottom=0, top=max(ys) * 1.25)
+    for kind in ("oom", "backoff", "grow"):
+        for step in sorted({int(e["step"]) for e in by_type.get(kind, [])}):
+            batch_ax.axvline(step, color=EVENT_STYLES[kind][0], lw=0.8, ls=":")
+    # the micro-batch sizes that ran out of memory, where they were tried
+    tried = [
+        (int(e["step"]), float(e["micro_batch_size"]))
+        for e in by_type.get("oom", [])
+        if isinstance(e.get("micro_batch_size"), int | float)
+    ]
+    if tried:
+        batch_ax.plot(
+            [t[0] for t in tried],
+            [t[1] for t in tried],
+            linestyle="none",
+            marker="X",
+            color=EVENT_STYLES["oom"][0],
+            markeredgecolor="black",
+            label="micro-batch that ran out of memory",
+            gid="oom:micro_batch_size",
+        )
+        batch_ax.set_ylim(bottom=0, top=max([*ys, *(t[1] for t in tried)]) * 1.25)
+    if xs or tried:
+        batch_ax.legend(loc="upper right", fontsize=8)
+    batch_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    batch_ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+    batch_ax.set_ylabel("micro-batch")
+    batch_ax.set_xlabel("optimizer step (0: the probe)" if "probe" in by_type else "optimizer step")
+    batch_ax.grid(alpha=0.3)
+    event_steps = [int(e["step"]) for found in by_type.values() for e in found]
+    all_steps = [float(m["step"]) for m in steps] + event_steps
+    if all_steps:
+        low, high = min(all_steps), max(all_steps)
+        pad = max(0.5, (high - low) * 0.03)
+        memory_ax.set_xlim(low - pad, high + pad)
+    return fig
+
+
+def breakdown_plot(
+    breakdown: Mapping[str, int] | None,
+    measured_peak: int | None = None,
+    *,
+    reserved_peak: int | None = None,
+    budget: int | None = None,
+    title: str | None = None,
+    note: str | None = None,
+) -> Figure:
+    """The estimate's breakdown as a stacked bar, beside the measured peak (when there is one).
+
+    ``breakdown`` None (no estimate) draws the measured bars alone, with ``note`` saying why.
+    """
+    _require_matplotlib()
+    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    ax = fig.subplots()
+    parts = {k: int(v) for k, v in (breakdown or {}).items() if int(v) > 0}
+    order = [k for k in CATEGORIES if k in parts] + sorted(k for k in parts if k not in CATEGORIES)
+    heights = [sum(parts.values()), measured_peak or 0, reserved_peak or 0, budget or 0]
+    unit, size = byte_unit(max(heights))
+    labels: list[str] = []
+    if breakdown is not None:
+        total = sum(parts.values())
+        bottom = 0.0
+        x = len(labels)
+        for name in order:
+            value = parts[name]
+            ax.bar(
+                x,
+                value / size,
+                bottom=bottom,
+                width=0.6,
+                color=_CATEGORY_COLOURS.get(name, "#cccccc"),
+                edgecolor="white",
+                label=f"{name.replace('_', ' ')} {format_bytes(value)}",
+                gid=f"estimate:{name}",
+            )
+            if total and value / total >= 0.05:
+                ax.text(
+                    x,
+                    (bottom + value / size / 2),
+                    format_bytes(value),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
+            bottom += value / size
+        ax.text(x, bottom, f"{format_bytes(total)}\n", ha="center", va="bottom", fontsize=9)
+        labels.append("estimate")
+    for measured, name, colour in (
+        (measured_peak, "measured peak", "#1f77b4"),
+        (reserved_peak, "measured reserved", "#17becf"),
+    ):
+        if measured is None:
+            continue
+        x = len(labels)
+        ax.bar(
+            x,
+            measured / size,
+            width=0.6,
+            color=colour,
+            gid=name,
+            label=f"{name} {format_bytes(measured)}",
+        )
+        ax.text(
+            x, measured / size, f"{format_bytes(measured)}\n", ha="center", va="bottom", fontsize=9
+        )
+        labels.append(name)
+    if budget:
+        ax.axhline(
+            budget / size,
+            color="#d62728",
+            ls="--",
+            lw=1.5,
+            label=f"budget {format_bytes(budget)}",
+            gid="budget",
+        )
+    if not labels:
+        labels.append("(nothing measured)")
+        ax.bar(0, 0)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlim(-0.7, max(len(labels), 2) - 0.3)
+    ax.set_ylim(0, max(max(heights), 1) / size * 1.2)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(title or "Estimated breakdown and measured peak")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    if note:
+        ax.set_xlabel(note, fontsize=8, color="#555555", wrap=True)
+    return fig
+
+
+def training_plot(metrics: Sequence[Mapping[str, Any]]) -> Figure:
+    """Loss, eval metrics and throughput over optimizer steps (a panel each)."""
+    _require_matplotlib()
+    steps = train_lines(metrics)
+    evals = eval_lines(metrics)
+    fig = Figure(figsize=(10, 8), layout="constrained")
+    loss_ax, eval_ax, speed_ax = fig.subplots(3, 1, sharex=True)
+
+    xs, ys = _series(steps, "loss")
+    if xs:
+        loss_ax.plot(
+            xs, ys, color="#1f77b4", marker="o" if len(xs) <= 40 else None, ms=3, gid="loss"
+        )
+    else:
+        loss_ax.text(0.5, 0.5, "no loss logged", ha="center", transform=loss_ax.transAxes)
+    loss_ax.set_ylabel("training loss")
+    loss_ax.set_title("Training")
+    loss_ax.grid(alpha=0.3)
+
+    keys = sorted({k for m in evals for k in m if k.startswith("eval_")})
+    for key in keys:
+        ex, ey = _series(evals, key)
+        if ex:
+            eval_ax.plot(ex, ey, marker="o", ms=4, label=key.removeprefix("eval_"), gid=key)
+    if keys:
+        eval_ax.legend(fontsize=8)
+    else:
+        eval_ax.text(0.5, 0.5, "no eval in this run", ha="center", transform=eval_ax.transAxes)
+    eval_ax.set_ylabel("eval metric")
+    eval_ax.grid(alpha=0.3)
+
+    xs, ys = _series(steps, "samples_per_second")
+    if xs:
+        speed_ax.plot(xs, ys, color="#2ca02c", label="samples/s", gid="samples_per_second")
+        speed_ax.set_ylabel("samples / s")
+        tokens = [
+            (float(m["step"]), float(m["tokens"]) / float(m["seconds"]))
+            for m in steps
+            if isinstance(m.get("tokens"), int | float) and m.get("seconds")
+        ]
+        if tokens:
+            token_ax = speed_ax.twinx()
+            token_ax.plot(
+                [t[0] for t in tokens],
+                [t[1] for t in tokens],
+                color="#8c564b",
+                ls="--",
+                label="tokens/s",
+                gid="tokens_per_second",
+            )
+            token_ax.set_ylabel("tokens / s (real, no padding)")
+            token_ax.legend(loc="lower right", fontsize=8)
+        speed_ax.legend(loc="lower left", fontsize=8)
+    else:
+        speed_ax.text(0.5, 0.5, "no throughput logged", ha="center", transform=speed_ax.transAxes)
+    speed_ax.set_xlabel("optimizer step")
+    speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    speed_ax.grid(alpha=0.3)
+    return fig
+
+
+def figure_png(fig: Figure, *, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes (the Agg renderer)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to a temporary name beside ``path``, then rename: never half-written."""
+    target = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; a report is for reading
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def save_figure(fig: Figure, path: str | os.PathLike[str], *, flag: str = "FILE") -> Path:
+    """Save as PNG, SVG or PDF (by the suffix), atomically; a missing folder is a usage error."""
+    target = Path(path)
+    formats = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+    fmt = formats.get(target.suffix.lower())
+    if fmt is None:
+        raise UsageError(f"{flag}: {target} must end in .png, .svg or .pdf")
+    if not target.parent.is_dir():
+        raise UsageError(f"{flag}: the folder {target.parent} does not exist; create it first")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=100)
+    return write_atomic(target, buffer.getvalue())
