@@ -378,3 +378,24 @@ def test_each_step_logs_its_phase_peaks_under_the_cap(tiny_classifier: str, tmp_
     first, second = run["metrics"][0], run["metrics"][1]
     # AdamW's state appears in the first optimizer phase: from step 2 on it is held all along
     assert second["forward_peak_bytes"] > first["forward_peak_bytes"]
+
+
+def test_an_optimizer_step_that_does_not_fit_is_exit_3_not_a_traceback(
+    tiny_classifier: str, tmp_path: Path
+) -> None:
+    from memfit.errors import NothingFitsError
+
+    data = _write_data(tmp_path / "train.csv", 16)
+    knobs: dict = dict(optimizer="adamw", lr=1e-3, micro_batch_size=1)
+    free = _run(tiny_classifier, data, tmp_path / "free", memory_cap=1 << 40, **knobs)
+    step2 = free["metrics"][1]
+    passes = max(step2["forward_peak_bytes"], step2["backward_peak_bytes"])
+    update = step2["optimizer_peak_bytes"]
+    assert update > passes  # AdamW's update holds more than a micro-batch of 1 here
+    with pytest.raises(NothingFitsError, match="the optimizer step runs out of memory"):
+        _run(tiny_classifier, data, tmp_path / "capped", memory_cap=(passes + update) // 2, **knobs)
+    events = [
+        json.loads(x) for x in (tmp_path / "capped" / "events.jsonl").read_text().splitlines()
+    ]
+    assert any(e["type"] == "oom" and e.get("phase") == "optimizer" for e in events)
+    assert events[-1]["type"] == "stop"

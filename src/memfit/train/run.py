@@ -553,7 +553,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         cfg = dataclasses.replace(config, **knobs)
     from transformers.utils import logging as hf_logging
 
-    from memfit.guard import Guard, StepTooLarge, memory_cap
+    from memfit.guard import Guard, StepTooLarge, is_oom, memory_cap
 
     hf_logging.disable_progress_bar()  # the run has its own progress line
 
@@ -819,6 +819,34 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 if guard.max_tokens is not None:
                     guard.max_tokens = 1
 
+    def update(number: int, *, probe: bool = False) -> float | None:
+        """Clip the whole step's gradient and step the optimizer; the returned gradient norm is
+        None without clipping. No micro-batch changes what this phase holds (weights, gradients,
+        optimizer state), so an OOM here is the end: exit 3 with what would help."""
+        try:
+            if scaler is not None and not probe:
+                scaler.unscale_(optimizer)
+            grad_norm = None
+            if cfg.max_grad_norm:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            if scaler is not None and not probe:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            return grad_norm
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        on_event({"type": "oom", "step": number, "phase": "optimizer", "error": error})
+        on_event({"type": "stop", "step": step, "reason": "the optimizer step does not fit"})
+        raise NothingFitsError(
+            f"step {number}: the optimizer step runs out of memory ({error}). It holds the "
+            "weights, their gradients and the optimizer state whatever the micro-batch: try "
+            "--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, or more memory"
+        )
+
     def probe() -> None:
         """Step 0: the longest rows of the data as one step, so that an OOM the data holds for
         later comes now and the micro-batch (token budget) is corrected before step 1. Then
@@ -840,7 +868,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             guarded_step(rows, 0)
             if fresh:
                 # a fresh optimizer allocates its state in its first step: part of the peak
-                optimizer.step()
+                update(0, probe=True)
         finally:
             guard.on_event = on_event
             optimizer.zero_grad(set_to_none=True)
@@ -903,16 +931,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             t0 = time.perf_counter()
             loss_value = guarded_step(rows, step + 1)
             peak.phase("optimizer")  # clipping, the update and zero_grad
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            grad_norm = None
-            if cfg.max_grad_norm:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            grad_norm = update(step + 1)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1054,11 +1073,26 @@ def _next_cure(model: torch.nn.Module, checkpointing: bool) -> str | None:
 
 
 def _describe(event: dict[str, Any]) -> str:
+    step = event.get("step")
     if event["type"] == "oom":
-        return f"out of memory at step {event.get('step')} with micro-batch {event.get('micro_batch_size')}"
+        if event.get("phase") == "optimizer":
+            return f"out of memory in the optimizer step of step {step}"
+        where = f"micro-batch {event.get('micro_batch_size')}"
+        if event.get("max_tokens") is not None:
+            where += f" ({event.get('padded_tokens')} tokens, budget {event['max_tokens']})"
+        return f"out of memory at step {step} with {where}"
     if event["type"] == "backoff":
-        return f"step {event.get('step')}: micro-batch {event.get('from')} → {event.get('to')}, step re-run from its start"
-    return f"step {event.get('step')}: trying micro-batch {event.get('to')}"
+        if event.get("cure"):
+            return f"step {step}: {event['cure']} on, micro-batch 1, step re-run from its start"
+        if "max_tokens_to" in event:
+            return (
+                f"step {step}: token budget {event['max_tokens_from']} → "
+                f"{event['max_tokens_to']}, step re-run from its start"
+            )
+        return f"step {step}: micro-batch {event.get('from')} → {event.get('to')}, step re-run from its start"
+    if "max_tokens_to" in event:
+        return f"step {step}: trying a token budget of {event['max_tokens_to']}"
+    return f"step {step}: trying micro-batch {event.get('to')}"
 
 
 def _say(text: str) -> None:
