@@ -93,6 +93,8 @@ def _series(lines: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], 
 
 def _event_label(event: Mapping[str, Any]) -> str:
     kind = event.get("type")
+    if kind == "oom" and event.get("phase") == "optimizer":
+        return "OOM in the optimizer step"
     if kind == "oom":
         size = event.get("micro_batch_size")
         tokens = event.get("max_tokens")
@@ -101,7 +103,7 @@ def _event_label(event: Mapping[str, Any]) -> str:
         if "cure" in event:
             return str(event["cure"])
         if "max_tokens_from" in event:
-            return f"{event.get('max_tokens_from')}→{event.get('max_tokens_to')} tok"
+            return f"budget {event.get('max_tokens_from')}→{event.get('max_tokens_to')} tok"
         return f"mb {event.get('from')}→{event.get('to')}"
     if kind == "probe":
         return f"probe mb {event.get('micro_batch_size')}"
@@ -110,9 +112,11 @@ def _event_label(event: Mapping[str, Any]) -> str:
 
 def _step_label(kind: str, found: Sequence[Mapping[str, Any]]) -> str:
     """One label for the events of one kind at one step: ``OOM at mb 8, 4``, ``mb 8→4→2``."""
-    if kind == "oom" and all("max_tokens" not in e for e in found):
+    if kind == "oom" and all("max_tokens" not in e and "phase" not in e for e in found):
         return "OOM at mb " + ", ".join(str(e.get("micro_batch_size")) for e in found)
-    if kind == "backoff" and all("from" in e and "to" in e for e in found):
+    if kind == "backoff" and all(
+        "from" in e and "to" in e and "max_tokens_from" not in e for e in found
+    ):
         chain = [found[0]["from"]] + [e["to"] for e in found]
         return "back-off mb " + "→".join(str(x) for x in chain)
     texts = [_event_label(e) for e in found]

@@ -83,7 +83,7 @@ def test_memory_plot_marks_events_and_budget() -> None:
     assert fig.axes[0].get_xlim()[0] < 0  # step 0 (the probe) is in view
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert "OOM at mb 8" in texts and "back-off mb 8→4" in texts
-    assert "4096→2048 tok" in texts
+    assert "budget 4096→2048 tok" in texts
 
 
 def test_memory_plot_draws_optional_keys_only_when_present() -> None:
