@@ -831,6 +831,14 @@ def _demo_train() -> None:
         f"{ooms} out-of-memory error(s) survived; eval {metrics}"
     )
     typer.echo(f"run folder: {out} (model/, metrics.jsonl, events.jsonl, run.json)")
+    from memfit.report.html import write_report
+
+    typer.echo(f"\n$ memfit report {out}")
+    page = write_report(out)
+    typer.echo(
+        f"wrote {page}: memory per step with the OOM and the back-off marked, the estimate "
+        "beside the measured peak, loss and throughput (and the same plots as PNG beside it)"
+    )
 
 
 def _fail(message: str, code: int) -> None:
