@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from typing import Annotated, Any
 
@@ -91,8 +92,14 @@ def estimate_command(
         int | None, typer.Option(help="Truncate sequences to this many tokens.")
     ] = None,
     world_size: Annotated[
-        int, typer.Option(help="Data-parallel ranks (DDP): the memory of one rank.")
+        int, typer.Option(help="Data-parallel ranks: the memory of one of them.")
     ] = 1,
+    sharding: Annotated[
+        str,
+        typer.Option(
+            help="How the ranks divide the model: none | zero1 | zero2 | zero3 (DeepSpeed) | fsdp."
+        ),
+    ] = "none",
     gpu: Annotated[
         str | None,
         typer.Option(help="A catalog GPU (memfit gpus): its memory is the budget."),
@@ -139,6 +146,7 @@ def estimate_command(
         lora_rank=lora_rank,
         max_seq_len=max_seq_len,
         world_size=world_size,
+        sharding=sharding,
         gpu=gpu,
         gradient_accumulation_steps=gradient_accumulation_steps,
     )
@@ -188,7 +196,15 @@ def plan_command(
         typer.Option(help="sentence-embedding: mnrl (default) | cosent | cosine | softmax"),
     ] = None,
     num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
-    world_size: Annotated[int, typer.Option(help="Data-parallel GPUs.")] = 1,
+    world_size: Annotated[
+        int, typer.Option(help="GPUs sharing the effective batch (the budget is per GPU).")
+    ] = 1,
+    sharding: Annotated[
+        str,
+        typer.Option(
+            help="How the GPUs divide the model: none | zero1 | zero2 | zero3 (DeepSpeed) | fsdp."
+        ),
+    ] = "none",
     allow: Annotated[
         str | None,
         typer.Option(
@@ -258,6 +274,7 @@ def plan_command(
         gpu=gpu,
         loss=loss,
         world_size=world_size,
+        sharding=sharding,
         allow=levers,
         precision=precision,
         data_profile=profile,
@@ -483,7 +500,14 @@ def train_command(
     gradient_accumulation_steps: Annotated[
         int | None, Opt(help="Plan key (follows from the micro-batch).")
     ] = None,
-    world_size: Annotated[int | None, Opt(help="Plan key: data-parallel ranks (1 here).")] = None,
+    world_size: Annotated[
+        int | None,
+        Opt(help="Plan key: data-parallel ranks; must match what torchrun/accelerate launched."),
+    ] = None,
+    sharding: Annotated[
+        str | None,
+        Opt(help="Plan key: none | fsdp (PyTorch FSDP2) | zero1 | zero2 | zero3 (DeepSpeed)."),
+    ] = None,
     precision: Annotated[str | None, Opt(help="Plan key: fp32 | fp16 | bf16.")] = None,
     gradient_checkpointing: Annotated[
         bool | None, Opt(help="Plan key: recompute activations.")
@@ -528,12 +552,37 @@ def train_command(
             help="CUDA: dump the allocator's history at each OOM (DIR/memory-snapshots/).",
         ),
     ] = False,
+    lora_rank: Annotated[
+        int | None, Opt(help="Train peft LoRA adapters of this rank (the base stays frozen).")
+    ] = None,
+    lora_target_modules: Annotated[
+        str | None,
+        Opt(
+            help="LoRA targets, comma-separated: attention (default), mlp, module names, or "
+            "all-linear."
+        ),
+    ] = None,
+    merge_lora: Annotated[
+        bool,
+        Opt(
+            "--merge-lora",
+            help="Save DIR/model as the merged model (loads without peft), not the adapter folder.",
+        ),
+    ] = False,
+    report_to: Annotated[
+        str | None,
+        Opt(help="tensorboard | wandb | none (default): step, memory and guard figures there too."),
+    ] = None,
 ) -> None:
     """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
+    from memfit.train.lora import parse_target_modules
     from memfit.train.run import TrainConfig, train
+    from memfit.train.sagemaker import environment_settings, publish_model
     from memfit.units import parse_size
 
-    settings: dict[str, Any] = {}
+    # on SageMaker-style services the job's channels, folders and hyperparameters are the
+    # defaults; the config file and the flags below win over them
+    settings: dict[str, Any] = environment_settings(os.environ, TrainConfig)
     if config is not None:
         from memfit.config import load_config
 
@@ -578,6 +627,7 @@ def train_command(
         "micro_batch_size": micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps,
         "world_size": world_size,
+        "sharding": sharding,
         "precision": precision,
         "gradient_checkpointing": gradient_checkpointing,
         "max_seq_len": max_seq_len,
@@ -590,6 +640,10 @@ def train_command(
         "padding": padding,
         "memory_snapshot": memory_snapshot or None,
         "skip_bad_rows": skip_bad_rows or None,
+        "lora_rank": lora_rank,
+        "lora_target_modules": parse_target_modules(lora_target_modules),
+        "merge_lora": merge_lora or None,
+        "report_to": report_to,
     }
     if labels is not None:
         given["labels"] = [x.strip() for x in labels.split(",")]
@@ -602,8 +656,10 @@ def train_command(
         settings["max_grad_norm"] = None
     # a planned config names the micro-batch; the effective batch follows from the plan keys
     if settings.get("effective_batch_size") is None and settings.get("micro_batch_size"):
-        settings["effective_batch_size"] = int(settings["micro_batch_size"]) * int(
-            settings.get("gradient_accumulation_steps") or 1
+        settings["effective_batch_size"] = (
+            int(settings["micro_batch_size"])
+            * int(settings.get("gradient_accumulation_steps") or 1)
+            * int(settings.get("world_size") or 1)
         )
     settings.pop("gradient_accumulation_steps", None)
     missing = [
@@ -619,7 +675,15 @@ def train_command(
     unknown = sorted(k for k in settings if k not in known)
     if unknown:
         raise UsageError(f"{config}: settings memfit train does not take: {', '.join(unknown)}")
+    # --resume, or the environment's (a restarted managed job finds its run folder)
+    resume = resume or bool(settings.pop("resume", False))
     result = train(TrainConfig(**settings, resume=resume))
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return  # several ranks: rank 0 reports the run
+    if result.stopped == "done":
+        published = publish_model(result.output_dir, os.environ)
+        if published is not None:
+            typer.echo(f"model copied to {published} (SM_MODEL_DIR)")
     if result.stopped == "signal":
         typer.echo(
             f"stopped by a signal after step {result.steps}; a checkpoint is in {result.output_dir}/checkpoints (memfit train ... --resume continues)"
@@ -841,7 +905,19 @@ def _demo_train() -> None:
     )
 
 
+# guarded inference: the command functions live in memfit.infer.cli (imports typer only)
+from memfit.infer.cli import embed_command, predict_command  # noqa: E402
+
+app.command("predict")(predict_command)
+app.command("embed")(embed_command)
+
+
 def _fail(message: str, code: int) -> None:
+    import os
+
+    # several ranks (torchrun) reach the same verdict on the same input: rank 0 says it once
+    if code in (2, 3) and os.environ.get("RANK", "0") not in ("", "0"):
+        sys.exit(code)
     # one line per problem (bad data reports every bad row at once)
     for line in message.splitlines() or [""]:
         sys.stderr.write(f"memfit: error: {line}\n")

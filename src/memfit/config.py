@@ -34,6 +34,7 @@ PLAN_KEYS = (
     "micro_batch_size",
     "gradient_accumulation_steps",
     "world_size",
+    "sharding",
     "precision",
     "gradient_checkpointing",
     "optimizer",

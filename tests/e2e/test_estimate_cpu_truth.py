@@ -82,8 +82,11 @@ CASES = [
         {"loss": "cached-mnrl", "mini_batch_size": 8},
         id="minilm-cached-mnrl-train",
     ),
-    # LoRA via peft: frozen base, no base gradients or optimizer state
+    # LoRA via peft on the architecture's attention projections (memfit's table, shared by
+    # estimate, plan and train): frozen base, no base gradients or optimizer state
     pytest.param("bert-l4-h256", "classification", 8, 128, {"lora_rank": 8}, id="bert-lora"),
+    # GPT-2's fused query-key-value and its attention output (memfit's table for gpt2)
+    pytest.param("gpt2-l2-v50257", "causal-lm", 4, 64, {"lora_rank": 8}, id="gpt2-lora"),
 ]
 
 

@@ -331,7 +331,17 @@ def test_lora_trains_adapters_and_saves_a_plain_model(tiny_classifier: str, tmp_
     from transformers import AutoModelForSequenceClassification
 
     data = _write_data(tmp_path / "train.csv", 16)
-    run = _run(tiny_classifier, data, tmp_path / "lora", lora_rank=4, optimizer="adamw", lr=1e-2)
+    # --merge-lora: the merged model (without it DIR/model is the peft adapter folder, see
+    # tests/e2e/test_train_integrations.py)
+    run = _run(
+        tiny_classifier,
+        data,
+        tmp_path / "lora",
+        lora_rank=4,
+        merge_lora=True,
+        optimizer="adamw",
+        lr=1e-2,
+    )
     assert run["result"].steps == 2
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lora" / "model")
     assert not any("lora" in name for name, _ in model.named_parameters())

@@ -36,6 +36,55 @@ def test_estimate_json_with_plan_knobs(capsys: pytest.CaptureFixture[str], tiny_
     assert d["details"]["effective_seq_len"] == 48 and d["details"]["world_size"] == 2
 
 
+def test_estimate_sharded_json(capsys: pytest.CaptureFixture[str], tiny_bert: str) -> None:
+    code, out, _ = run(
+        capsys,
+        "estimate", tiny_bert, "--task", "classification", "--batch-size", "4", "--seq-len", "64",
+        "--precision", "bf16", "--world-size", "4", "--sharding", "zero3", "--json",
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert sum(d["breakdown"].values()) == d["total_bytes"]
+    details = d["details"]
+    assert details["sharding"] == "zero3" and details["world_size"] == 4
+    state = details["model_state"]
+    P = details["num_parameters"]
+    assert state["paper_formula_bytes"] == 16 * P // 4
+    assert state["deepspeed_formula_bytes"] > 0 and details["deepspeed"]["zero_optimization"]
+
+
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+def test_unknown_sharding_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], tiny_bert: str, verb: str
+) -> None:
+    base = [verb, tiny_bert, "--task", "classification", "--seq-len", "64"]
+    if verb == "estimate":
+        base += ["--batch-size", "2"]
+    else:
+        base += ["--effective-batch-size", "8", "--gpu-memory", "16GiB"]
+    code, out, err = run(capsys, *base, "--world-size", "2", "--sharding", "zero4")
+    assert code == 2 and out == ""
+    assert err.startswith("memfit: error:") and "--sharding" in err and err.count("\n") == 1
+
+
+def test_sharded_plan_writes_its_scheme(
+    capsys: pytest.CaptureFixture[str], tiny_bert: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "run.yaml"
+    code, out, _ = run(
+        capsys,
+        "plan", tiny_bert, "--task", "classification", "--seq-len", "64",
+        "--effective-batch-size", "32", "--gpu", "a10g", "--world-size", "2", "--sharding",
+        "fsdp", "--json", "--write-config", str(config),
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert d["plan"]["sharding"] == "fsdp" and d["plan"]["world_size"] == 2
+    loaded = load_config(config)
+    assert loaded["sharding"] == "fsdp" and loaded["world_size"] == 2
+    assert any("--sharding fsdp" in line for line in d["explanation"] if "Re-check" in line)
+
+
 def test_plan_json_and_config_round_trip(
     capsys: pytest.CaptureFixture[str], tiny_bert: str, tmp_path: Path
 ) -> None:
@@ -69,6 +118,11 @@ def test_plan_nothing_fits_exits_3_with_json(
     assert d["fits"] is False and d["plan"] is None and d["suggestions"]
     assert not config.exists()  # nothing half-written
     assert "not written" in err
+    # scale-out priced per GPU for 2, 4 and 8 GPUs and each scheme (a CUDA context each: none fits)
+    rows = d["scale_out"]
+    assert {(r["world_size"], r["sharding"]) for r in rows} >= {(8, "fsdp"), (2, "zero2")}
+    assert all(r["predicted_peak_bytes"] > 100e6 and r["fits"] is False for r in rows)
+    assert any(line.startswith("On 8 GPUs") for line in d["suggestions"])
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,11 @@ from memfit.errors import UsageError
 from memfit.estimate import device as dev
 from memfit.estimate import workload
 from memfit.estimate.fit import FittedSegment, fit_trace, grid_shapes
+from memfit.estimate.sharding import SCHEMES, Buffers, ShardLayout, ddp_bucket_sizes, none_details
+from memfit.estimate.sharding import layout as sharding_layout
 from memfit.estimate.trace import (
     ALLOC,
+    BLOCK,
     CAT,
     CATEGORIES,
     FREE,
@@ -87,6 +90,7 @@ def validate(
     lora_rank: Any = None,
     max_seq_len: Any = None,
     world_size: Any = 1,
+    sharding: Any = "none",
 ) -> tuple[StepSpec, list[str]]:
     """Check every knob at once; return the spec and the list of problems (empty when fine)."""
     problems: list[str] = []
@@ -101,6 +105,7 @@ def validate(
     choice("--attn-implementation", attn_implementation, workload.ATTN_IMPLEMENTATIONS)
     choice("--mode", mode, workload.MODES)
     choice("--device", device, workload.DEVICES)
+    choice("--sharding", sharding, SCHEMES)
     for flag, value in (
         ("--batch-size", batch_size),
         ("--seq-len", seq_len),
@@ -160,6 +165,7 @@ def estimate(
     world_size: int = 1,
     gpu: str | None = None,
     gradient_accumulation_steps: int = 1,
+    sharding: str = "none",
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
@@ -169,8 +175,11 @@ def estimate(
     The knobs a plan chooses are all here: ``loss="cached-mnrl"`` with ``mini_batch_size`` (the
     gradient-cached in-batch-negatives loss; ``batch_size`` is then the whole batch),
     ``lora_rank`` (LoRA adapters via peft; 0 or None: full fine-tuning), ``max_seq_len``
-    (truncation: sequences are cut to it) and ``world_size`` (data-parallel ranks: memory is per
-    rank, with DDP's gradient buckets). ``gpu`` names a catalog GPU (see ``memfit plan --gpu``):
+    (truncation: sequences are cut to it) and ``world_size`` with ``sharding`` (the memory of one
+    of ``world_size`` ranks; ``sharding`` none | zero1 | zero2 | zero3 | fsdp says how they
+    divide parameters, gradients and optimizer state: see :mod:`memfit.estimate.sharding`;
+    none is memfit's data parallelism, gradients all-reduced in place). ``gpu`` names a catalog
+    GPU (see ``memfit plan --gpu``):
     its generation's cuBLAS workspace, and its memory as the budget unless ``gpu_memory`` is given.
     ``gradient_accumulation_steps`` > 1: the micro-batches after the first run forward and
     backward while the gradients of the earlier ones are alive (and add theirs in place).
@@ -192,6 +201,7 @@ def estimate(
         lora_rank=lora_rank,
         max_seq_len=max_seq_len,
         world_size=world_size,
+        sharding=sharding,
     )
     budget = None
     if gpu_memory is not None:
@@ -248,8 +258,14 @@ def estimate(
         traced_batch = mini
         extra_rows = batch_size - mini * spec.cached_chunks
     traced = _traced(model_spec, spec)
+    world = world_size or 1
     peak = traced.replay(
-        traced_batch, seq_len, world_size=world_size or 1, profile=profile, accumulate=accumulate
+        traced_batch,
+        seq_len,
+        world_size=world,
+        profile=profile,
+        accumulate=accumulate,
+        sharding=sharding,
     )
     if extra_rows and peak.phase != "optimizer_step":
         peak = _with_cached_rows(peak, extra_rows, model_spec.config, spec)
@@ -261,6 +277,7 @@ def estimate(
         "world_size": world_size or 1,
         "gradient_accumulation_steps": gradient_accumulation_steps if spec.mode == "train" else 1,
         "allocated_peak_bytes": peak.allocated_peak_bytes,
+        "phase_peak_bytes": dict(peak.phase_peaks),
         "reserved_peak_bytes": peak.reserved_peak_bytes,
         "context_bytes": peak.context_bytes,
         "device_profile": (profile or traced.profile).name if spec.device == "cuda" else "cpu",
@@ -274,6 +291,7 @@ def estimate(
         details["mini_batch_size"] = traced_batch
     if spec.lora_rank:
         details["lora_rank"] = spec.lora_rank
+    details |= _sharding_details(traced, sharding, world)
     return Estimate(
         total_bytes=total,
         breakdown=peak.breakdown,
@@ -288,6 +306,29 @@ def estimate(
     )
 
 
+def _sharding_details(traced: _Traced, sharding: str, world_size: int) -> dict[str, Any]:
+    """What the scheme divides and what it adds, by the paper's categories and DeepSpeed's."""
+    trace, spec = traced.trace, traced.spec
+    details: dict[str, Any] = {"sharding": sharding}
+    if sharding == "none":
+        details |= none_details(trace, spec, world_size)
+        if spec.mode == "train":
+            # torch DDP's reducer would keep every gradient a second time, in flat buckets
+            # (bucket_cap_mb=25, the first 1 MiB); memfit's data parallelism does not
+            details["ddp_bucket_bytes"] = sum(ddp_bucket_sizes(trace.trainable_gradient_bytes))
+    else:
+        shard = sharding_layout(
+            trace, spec, sharding, world_size, hidden_size=_hidden_size(traced.config)
+        )
+        details |= shard.details
+        if world_size == 1:
+            details["sharding_note"] = (
+                f"--sharding {sharding} on one GPU divides nothing: it only adds its buffers; "
+                "give --world-size"
+            )
+    return details
+
+
 # --- tracing, cached per model and knobs -------------------------------------------------------------
 @dataclass
 class _Peak:
@@ -297,6 +338,8 @@ class _Peak:
     allocated_peak_bytes: int
     reserved_peak_bytes: int | None
     context_bytes: int
+    # the highest tensor bytes of each phase (allocated, not reserved, on CUDA)
+    phase_peaks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -333,14 +376,21 @@ class _Traced:
         world_size: int = 1,
         profile: dev.CudaProfile | None = None,
         accumulate: bool = False,
+        sharding: str = "none",
     ) -> _Peak:
         variant = self._variant(batch_size, seq_len)
         if variant is not self:
-            return variant.replay(batch_size, seq_len, world_size, profile, accumulate)
+            return variant.replay(batch_size, seq_len, world_size, profile, accumulate, sharding)
         if self.fitted is None:
             exact = self._exact_trace(batch_size, seq_len)
-            return exact.replay(batch_size, seq_len, world_size, profile, accumulate)
+            return exact.replay(batch_size, seq_len, world_size, profile, accumulate, sharding)
         fb_sizes = self.fitted.sizes(batch_size, seq_len).tolist()
+        shard = None
+        if sharding != "none":
+            # a replay-time transform of this very trace: no new trace per scheme or world size
+            shard = sharding_layout(
+                self.trace, self.spec, sharding, world_size, hidden_size=_hidden_size(self.config)
+            )
         return _replay(
             self.trace,
             self.fitted.template,
@@ -349,6 +399,7 @@ class _Traced:
             profile or self.profile,
             world_size,
             accumulate,
+            shard,
         )
 
     def _variant(self, batch_size: int, seq_len: int) -> _Traced:
@@ -408,6 +459,15 @@ class _Traced:
             self._exact[key] = exact
             self._dirty = True
         return self._exact[key]
+
+
+def _hidden_size(config: Any) -> int:
+    """The model's hidden size (DeepSpeed's bucket sizes follow it)."""
+    for name in ("hidden_size", "n_embd", "d_model", "dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1024
 
 
 def _identity_fit(trace: StepTrace) -> FittedSegment:
@@ -626,37 +686,53 @@ def _replay(
     profile: dev.CudaProfile,
     world_size: int = 1,
     accumulate: bool = False,
+    shard: ShardLayout | None = None,
 ) -> _Peak:
+    """Replay the steady step; ``shard`` resizes it for a sharding scheme (one rank's share).
+
+    Without sharding and with several ranks, memfit's data parallelism all-reduces each gradient
+    in place after the step's micro-batches: no second copy of the gradients (torch DDP's reducer
+    would keep one in buckets; ``estimate`` reports its size as ``ddp_bucket_bytes``).
+    """
     optimizer_segments = (
         (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
     )
-    # DistributedDataParallel's reducer keeps every gradient a second time, in flat buckets
-    # (bucket_cap_mb=25, the first bucket 1 MiB; gradient_as_bucket_view=False, its default),
-    # allocated when the model is wrapped and alive for the whole run
-    buckets = (
-        _ddp_buckets(trace.trainable_gradient_bytes)
-        if world_size > 1 and spec.mode == "train"
-        else []
-    )
+    replay = _Sharded(shard)
+    fb_sizes = replay.sizes(fb, fb_sizes)
     if spec.device == "cpu":
-        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, buckets, accumulate)
+        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, replay, accumulate)
     return _replay_cuda(
-        trace, fb, fb_sizes, optimizer_segments, spec, profile, buckets, world_size, accumulate
+        trace, fb, fb_sizes, optimizer_segments, spec, profile, replay, world_size, accumulate
     )
 
 
-DDP_FIRST_BUCKET = 1 << 20
-DDP_BUCKET = 25 << 20
+class _Sharded:
+    """The replay's view of a :class:`ShardLayout` (or of no sharding at all)."""
 
+    def __init__(self, shard: ShardLayout | None) -> None:
+        self.shard = shard
+        self.buffers = None if shard is None else Buffers(shard)
+        self.handles: dict[str, Any] = {}  # buffer name -> its allocator handle
 
-def _ddp_buckets(gradient_bytes: int) -> list[int]:
-    sizes: list[int] = []
-    left = gradient_bytes
-    while left > 0:
-        size = min(left, DDP_FIRST_BUCKET if not sizes else DDP_BUCKET)
-        sizes.append(size)
-        left -= size
-    return sizes
+    def sizes(self, seg: Segment, sizes: list[int]) -> list[int]:
+        return sizes if self.shard is None else self.shard.segment_sizes(seg, sizes)
+
+    def pieces(self, alloc: int, size: int, category: int) -> tuple[tuple[int, int], ...]:
+        if self.shard is None:
+            return ((size, category),)
+        return self.shard.pieces(alloc, size, category)
+
+    def conversions(self, fb: Segment) -> tuple[list[tuple[int, int, int]], int]:
+        """Gradients that shrink as backward ends, and the transient buffer that does it."""
+        if self.shard is None:
+            return [], 0
+        return self.shard.conversions(fb), self.shard.root_reduce_scatter
+
+    def actions(self, kind: int, ref: int) -> list[tuple[str, str, int, int]]:
+        """The scheme's buffers to allocate and free at a phase or block mark, in order."""
+        if self.buffers is None:
+            return []
+        return self.buffers.mark(ref) if kind == MARK else self.buffers.block(ref)
 
 
 def _with_cached_rows(peak: _Peak, rows: int, config: Any, spec: StepSpec) -> _Peak:
@@ -676,6 +752,10 @@ def _with_cached_rows(peak: _Peak, rows: int, config: Any, spec: StepSpec) -> _P
         reserved_peak_bytes=None
         if peak.reserved_peak_bytes is None
         else peak.reserved_peak_bytes + extra,
+        # the rows live from the first pass to the end of backward
+        phase_peaks={
+            k: v + extra if k != "optimizer_step" else v for k, v in peak.phase_peaks.items()
+        },
     )
 
 
@@ -685,7 +765,7 @@ def _replay_cpu(
     fb_sizes: list[int],
     opt: Segment | None,
     spec: StepSpec,
-    buckets: list[int],
+    replay: _Sharded,
     accumulate: bool = False,
 ) -> _Peak:
     """The steady-state step on the CPU: resident tensors, then forward/backward and optimizer.
@@ -698,15 +778,14 @@ def _replay_cpu(
     resident_ids = trace.steady if spec.mode == "train" else trace.initial
     raw = [0] * len(CATEGORIES)
     rounded = 0
-    for size in buckets:
-        raw[CAT["gradients"]] += size
-        rounded += dev.cpu_allocation_bytes(size)
     for g in resident_ids:
-        raw[cats[g]] += sizes[g]
-        rounded += dev.cpu_allocation_bytes(sizes[g])
+        for size, cat in replay.pieces(g, sizes[g], cats[g]):
+            raw[cat] += size
+            rounded += _cpu_bytes(size)
     best = rounded
     best_raw = list(raw)
     best_phase = "forward"
+    phases: dict[str, int] = {}
     phase = "forward"
     fb_cats = fb.categories
     grads = CAT["gradients"]
@@ -714,37 +793,73 @@ def _replay_cpu(
     if accumulate:
         segments.append((fb, fb_sizes, True))
     if opt is not None:
-        segments.append((opt, opt.sizes, False))
-    for seg, seg_sizes, transient_grads in segments:
+        segments.append((opt, replay.sizes(opt, opt.sizes), False))
+    conversions, conversion_buffer = replay.conversions(fb)
+    fb_after = list(fb_sizes)  # fb's sizes once backward is over (the optimizer frees these)
+    for j, _, after in conversions:
+        fb_after[j] = after
+    for number, (seg, seg_sizes, transient_grads) in enumerate(segments):
         seg_cats = seg.categories
+        if number == 1 and conversions:
+            # backward ends: FSDP's root reduce-scatters its whole gradients into fp32 shards
+            # through a reduce-scatter input, then frees them
+            raw[grads] += conversion_buffer
+            rounded += _cpu_bytes(conversion_buffer)
+            if rounded > phases.get(phase, 0):
+                phases[phase] = rounded
+            if rounded > best:
+                best, best_raw, best_phase = rounded, list(raw), phase
+            for _, before, after in conversions:
+                raw[grads] += after - before
+                rounded += _cpu_bytes(after) - _cpu_bytes(before)
+            raw[grads] -= conversion_buffer
+            rounded -= _cpu_bytes(conversion_buffer)
         for kind, ref in seg.events:
             if kind == ALLOC:
                 size = seg_sizes[ref]
                 raw[seg_cats[ref]] += size
-                rounded += dev.cpu_allocation_bytes(size)
+                rounded += _cpu_bytes(size)
+                if rounded > phases.get(phase, 0):
+                    phases[phase] = rounded
                 if rounded > best:
                     best, best_raw, best_phase = rounded, list(raw), phase
                 if transient_grads and seg_cats[ref] == grads:
                     raw[grads] -= size
-                    rounded -= dev.cpu_allocation_bytes(size)
+                    rounded -= _cpu_bytes(size)
                 continue
             if transient_grads and kind == FREE and seg_cats[ref] == grads:
                 continue
-            if kind == MARK:
-                phase = _PHASE_NAMES[ref]
+            if kind in (MARK, BLOCK):
+                if kind == MARK:
+                    phase = _PHASE_NAMES[ref]
+                for action, _, size, cat in replay.actions(kind, ref):
+                    # a sharding scheme's buffer: gathered parameters, reduce buckets
+                    sign = 1 if action == "alloc" else -1
+                    raw[cat] += sign * size
+                    rounded += sign * _cpu_bytes(size)
+                    if rounded > phases.get(phase, 0):
+                        phases[phase] = rounded
+                    if rounded > best:
+                        best, best_raw, best_phase = rounded, list(raw), phase
                 continue
             if kind == FREE:
-                size, cat = seg_sizes[ref], seg_cats[ref]
+                freed = [(seg_sizes[ref], seg_cats[ref])]
             elif kind == FREE_PREV:
-                size, cat = fb_sizes[ref], fb_cats[ref]
+                freed = [(fb_after[ref], fb_cats[ref])]
             else:
-                size, cat = sizes[ref], cats[ref]
-            raw[cat] -= size
-            rounded -= dev.cpu_allocation_bytes(size)
+                freed = list(replay.pieces(ref, sizes[ref], cats[ref]))
+            for size, cat in freed:
+                raw[cat] -= size
+                rounded -= _cpu_bytes(size)
     breakdown = {name: best_raw[i] for i, name in enumerate(CATEGORIES)}
     breakdown["allocator_overhead"] = best - sum(best_raw)
     breakdown["runtime_overhead"] = 0
-    return _Peak(best, breakdown, best_phase, best, None, 0)
+    return _Peak(best, breakdown, best_phase, best, None, 0, phases)
+
+
+def _cpu_bytes(size: int) -> int:
+    # an allocation a sharding scheme removed (a weight cast) takes nothing
+    return dev.cpu_allocation_bytes(size) if size else 0
 
 
 def _replay_cuda(
@@ -754,22 +869,30 @@ def _replay_cuda(
     optimizer_segments: tuple[Segment | None, Segment | None],
     spec: StepSpec,
     profile: dev.CudaProfile,
-    buckets: list[int],
+    replay: _Sharded,
     world_size: int,
     accumulate: bool = False,
 ) -> _Peak:
     allocator = dev.CachingAllocator()
     sizes = trace.resident_sizes
     cats = trace.resident_categories
-    handles: dict[int, int] = {}  # global id -> block address
+    handles: dict[int, list[int]] = {}  # global id -> block addresses (of its pieces)
     raw = [0] * len(CATEGORIES)
+    none = -1  # the handle of an allocation a sharding scheme removed
+
+    def malloc(size: int) -> int:
+        return allocator.malloc(size) if size else none
+
+    def free(handle: int) -> None:
+        if handle != none:
+            allocator.free(handle)
+
     # the model is moved to the GPU parameter by parameter
     for g in trace.initial:
-        handles[g] = allocator.malloc(sizes[g])
-        raw[cats[g]] += sizes[g]
-    for size in buckets:
-        allocator.malloc(size)
-        raw[CAT["gradients"]] += size
+        handles[g] = []
+        for size, cat in replay.pieces(g, sizes[g], cats[g]):
+            handles[g].append(malloc(size))
+            raw[cat] += size
     # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process.
     # Handles are per thread: backward runs on the autograd engine's device thread, whose first
     # matmul creates a second workspace
@@ -783,12 +906,29 @@ def _replay_cuda(
     first_opt, steady_opt = optimizer_segments
     state: dict[str, Any] = {"phase": "forward", "best": -1, "raw": list(raw), "at": "forward"}
 
+    phases: dict[str, int] = {}
+
+    def track() -> None:
+        phase = str(state["phase"])
+        phases[phase] = max(phases.get(phase, 0), allocator.allocated)
+        if allocator.allocated > state["best"]:
+            state["best"], state["raw"], state["at"] = (
+                allocator.allocated,
+                list(raw),
+                state["phase"],
+            )
+
+    conversions, conversion_buffer = replay.conversions(fb)
+    fb_after = list(fb_sizes)  # fb's sizes once backward is over (the optimizer frees these)
+    for j, _, after in conversions:
+        fb_after[j] = after
+
     def run(
         seg: Segment,
         seg_sizes: list[int],
         prev: list[int] | None,
         globals_: list[int] | None,
-        track: bool,
+        tracking: bool,
         transient_grads: bool = False,
     ) -> list[int]:
         # transient_grads: a later micro-batch of an accumulated step, whose gradients are
@@ -799,48 +939,83 @@ def _replay_cuda(
         for kind, ref in seg.events:
             if kind == ALLOC:
                 size = seg_sizes[ref]
-                local[ref] = allocator.malloc(size)
+                local[ref] = malloc(size)
                 raw[seg_cats[ref]] += size
                 if globals_ is not None:
-                    handles[globals_[ref]] = local[ref]
-                if track and allocator.allocated > state["best"]:
-                    state["best"], state["raw"], state["at"] = (
-                        allocator.allocated,
-                        list(raw),
-                        state["phase"],
-                    )
+                    handles[globals_[ref]] = [local[ref]]
+                if tracking:
+                    track()
                 if transient_grads and seg_cats[ref] == grads:
-                    allocator.free(local[ref])
+                    free(local[ref])
                     raw[grads] -= size
                 continue
             if transient_grads and kind == FREE and seg_cats[ref] == grads:
                 continue
-            elif kind == MARK:
-                state["phase"] = _PHASE_NAMES[ref]
+            elif kind in (MARK, BLOCK):
+                if kind == MARK:
+                    state["phase"] = _PHASE_NAMES[ref]
+                for action, name, size, cat in replay.actions(kind, ref):
+                    # a sharding scheme's buffer: gathered parameters, reduce buckets
+                    if action == "alloc":
+                        replay.handles[name] = malloc(size)
+                        raw[cat] += size
+                        if tracking:
+                            track()
+                    else:
+                        free(replay.handles.pop(name))
+                        raw[cat] -= size
             elif kind == FREE:
-                allocator.free(local[ref])
+                free(local[ref])
                 raw[seg_cats[ref]] -= seg_sizes[ref]
             elif kind == FREE_PREV:
                 assert prev is not None
-                allocator.free(prev[ref])
-                raw[fb.categories[ref]] -= fb_sizes[ref]
+                free(prev[ref])
+                raw[fb.categories[ref]] -= fb_after[ref]
             else:
-                allocator.free(handles[ref])
-                raw[cats[ref]] -= sizes[ref]
+                for handle in handles[ref]:
+                    free(handle)
+                for size, cat in replay.pieces(ref, sizes[ref], cats[ref]):
+                    raw[cat] -= size
         return local
+
+    def convert(handles_: list[int], tracking: bool) -> None:
+        # backward ends: FSDP's root reduce-scatters its whole gradients into fp32 shards
+        # through a reduce-scatter input, then frees them
+        if not conversions:
+            return
+        grads = CAT["gradients"]
+        buffer = malloc(conversion_buffer)
+        raw[grads] += conversion_buffer
+        if tracking:
+            track()
+        for j, before, after in conversions:
+            free(handles_[j])
+            handles_[j] = malloc(after)
+            raw[grads] += after - before
+        free(buffer)
+        raw[grads] -= conversion_buffer
 
     if spec.mode == "train":
         assert first_opt is not None and steady_opt is not None
+        first_sizes = replay.sizes(first_opt, first_opt.sizes)
+        steady_sizes = replay.sizes(steady_opt, steady_opt.sizes)
         # step 1 creates the optimizer state; step 2 is the steady state we report
-        fb_handles = run(fb, fb_sizes, None, None, False)
-        if accumulate:
-            run(fb, fb_sizes, None, None, False, transient_grads=True)
-        run(first_opt, first_opt.sizes, fb_handles, trace.first_optimizer_globals, False)
-        allocator.max_allocated, allocator.max_reserved = allocator.allocated, allocator.reserved
-        fb_handles = run(fb, fb_sizes, None, None, True)
-        if accumulate:
-            run(fb, fb_sizes, None, None, True, transient_grads=True)
-        run(steady_opt, steady_opt.sizes, fb_handles, None, True)
+        for tracking, opt_seg, opt_sizes, globals_ in (
+            (False, first_opt, first_sizes, trace.first_optimizer_globals),
+            (True, steady_opt, steady_sizes, None),
+        ):
+            fb_handles = run(fb, fb_sizes, None, None, tracking)
+            convert(fb_handles, tracking)
+            if accumulate:
+                run(fb, fb_sizes, None, None, tracking, transient_grads=True)
+                # the later micro-batch's root gradients are reduce-scattered as well (added
+                # into the shards in place): the transient run already freed them
+            run(opt_seg, opt_sizes, fb_handles, globals_, tracking)
+            if not tracking:
+                allocator.max_allocated, allocator.max_reserved = (
+                    allocator.allocated,
+                    allocator.reserved,
+                )
     else:
         run(fb, fb_sizes, None, None, False)  # a first batch warms the cache
         allocator.max_allocated, allocator.max_reserved = allocator.allocated, allocator.reserved
@@ -854,7 +1029,9 @@ def _replay_cuda(
     context = profile.context_for(spec.mode, spec.precision, spec.attn_implementation)
     breakdown["runtime_overhead"] = context + workspace + nccl
     total = reserved + context + nccl
-    return _Peak(total, breakdown, str(state["at"]), allocator.max_allocated, reserved, context)
+    return _Peak(
+        total, breakdown, str(state["at"]), allocator.max_allocated, reserved, context, phases
+    )
 
 
 def clear_cache() -> None:

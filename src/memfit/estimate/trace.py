@@ -29,7 +29,10 @@ CAT = {name: i for i, name in enumerate(CATEGORIES)}
 PHASES = ("setup", "forward", "backward", "optimizer_step")
 PHASE = {name: i for i, name in enumerate(PHASES)}
 
-ALLOC, FREE, MARK, FREE_PREV, FREE_RES = 0, 1, 2, 3, 4
+ALLOC, FREE, MARK, FREE_PREV, FREE_RES, BLOCK = 0, 1, 2, 3, 4, 5
+# (BLOCK, block * 4 + stage): a transformer block (see ``fsdp_blocks``) starts or ends its forward
+# or its backward. Unsharded replays ignore them; FSDP's replay gathers and frees by them
+BLOCK_FORWARD_START, BLOCK_FORWARD_END, BLOCK_BACKWARD_START, BLOCK_BACKWARD_END = 0, 1, 2, 3
 
 SizeFormula = Callable[..., int]
 _pending_hint: list[tuple[tuple[int, ...], SizeFormula]] = []
@@ -71,6 +74,10 @@ class Segment:
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     itemsizes: list[int] = field(default_factory=list)
     formulas: list[SizeFormula | None] = field(default_factory=list)
+    # the parameter (an index into StepTrace.params) each allocation belongs to: a gradient, a
+    # low-precision copy of a weight (op "weight_cast"), an optimizer state tensor; -1 otherwise.
+    # Sharded replays (memfit.estimate.sharding) resize these by their parameter's shard
+    params: list[int] = field(default_factory=list)
 
     def signature(self) -> tuple[Any, ...]:
         """What must agree between traces of different shapes for their sizes to be fitted."""
@@ -101,15 +108,30 @@ class StorageRecorder(TorchDispatchMode):
         self.phases: list[int] = []
         self.events: list[tuple[int, int]] = []
         self.phase = PHASE["setup"]
+        # storage -> parameter index, for the parameters registered with ``parameter_index``
+        self._parameter_storages: dict[int, int] = {}
+        # global allocation id -> the parameter it belongs to (weight casts, gradients, state)
+        self.alloc_params: dict[int, int] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
     def set_phase(self, name: str) -> None:
         self.phase = PHASE[name]
         self.events.append((MARK, self.phase))
 
-    def register(self, tensor: torch.Tensor, category: str) -> None:
+    def block_event(self, block: int, stage: int) -> None:
+        """Mark where a transformer block's forward or backward starts or ends."""
+        self.events.append((BLOCK, block * 4 + stage))
+
+    def register(
+        self, tensor: torch.Tensor, category: str, parameter_index: int | None = None
+    ) -> None:
         """Count a storage that existed before recording (parameters, buffers)."""
         self._track(tensor, CAT[category], "resident")
+        if parameter_index is not None:
+            self._parameter_storages[tensor.untyped_storage()._cdata] = parameter_index
+            alloc = self.alloc_id(tensor)
+            if alloc is not None:
+                self.alloc_params[alloc] = parameter_index
 
     def alloc_id(self, tensor: torch.Tensor) -> int | None:
         return self._live.get(tensor.untyped_storage()._cdata)
@@ -152,11 +174,29 @@ class StorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        op = func.__name__
+        weight = self._cast_weight(op, args)
+        if weight is not None:
+            # autocast's low-precision copy of a parameter (CUDA's weight cache, or CPU autocast):
+            # a sharded or 16-bit module (FSDP, DeepSpeed) computes with its own 16-bit
+            # parameters instead, so the replay must be able to tell these apart
+            op = "weight_cast"
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 # activations by default; settled to gradient / optimizer state / transient later
-                self._track(leaf, CAT["transient"], func.__name__)
+                known = self.alloc_id(leaf)
+                self._track(leaf, CAT["transient"], op)
+                if weight is not None and known is None:
+                    alloc = self.alloc_id(leaf)
+                    if alloc is not None:
+                        self.alloc_params[alloc] = weight
         return out
+
+    def _cast_weight(self, op: str, args: Any) -> int | None:
+        """The parameter index when ``op`` casts a registered parameter (a weight copy)."""
+        if not op.startswith("_to_copy") or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        return self._parameter_storages.get(args[0].untyped_storage()._cdata)
 
 
 class BackwardModes:
@@ -268,6 +308,62 @@ class StepTrace:
     initial: list[int] = field(default_factory=list)
     steady: list[int] = field(default_factory=list)
     first_optimizer_globals: list[int] = field(default_factory=list)
+    # what a sharded replay needs (memfit.estimate.sharding): every parameter, the parameter
+    # each resident allocation belongs to (the parameters themselves, optimizer state), and the
+    # most parameters any one module holds itself (DeepSpeed's "largest layer")
+    params: list[ParamInfo] = field(default_factory=list)
+    resident_params: dict[int, int] = field(default_factory=dict)
+    largest_module_parameters: int = 0
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the traced model, as sharding schemes see it."""
+
+    alloc: int  # global allocation id of its storage
+    shape: tuple[int, ...]
+    itemsize: int
+    trainable: bool
+    # the FSDP unit that holds it: the index of its transformer block (``fsdp_blocks``), or -1
+    # for the root module (embeddings, final norm, heads)
+    block: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP wraps one by one: the transformer blocks (the root wraps the rest).
+
+    The classes a transformers model names in ``_no_split_modules`` (GPT2Block; BERT's
+    BertEmbeddings and BertLayer, which transformers 5 collects when the model is built), as
+    ``memfit train --sharding fsdp`` wraps them, searched in every submodule (a LoRA or
+    bi-encoder wrapper names none itself); where none is named, the class of the repeated
+    layers: the items of the longest ``nn.ModuleList`` whose items share one class. Blocks nested
+    in a block are not separate units here (the outer one holds them).
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    if not names:
+        longest: list[torch.nn.Module] = []
+        for module in model.modules():
+            if isinstance(module, torch.nn.ModuleList) and len(module) > len(longest):
+                kinds = {type(m) for m in module}
+                if len(kinds) == 1 and any(True for _ in module[0].parameters()):
+                    longest = list(module)
+        names = {type(m).__name__ for m in longest}
+    blocks: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if type(module).__name__ in names and id(module) not in inside:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
 
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -296,8 +392,8 @@ def trace_steps(
     recorder = StorageRecorder()
     params = list(model.parameters())
     with fake_mode:
-        for p in params:
-            recorder.register(p, "parameters")
+        for index, p in enumerate(params):
+            recorder.register(p, "parameters", parameter_index=index)
         for b in model.buffers():
             recorder.register(b, "buffers")
     parameter_bytes = sum(
@@ -305,6 +401,7 @@ def trace_steps(
         for s, c in zip(recorder.sizes, recorder.categories, strict=True)
         if c == CAT["parameters"]
     )
+    _mark_blocks(model, recorder)
     train = spec.mode == "train"
     optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
     scaler = workload.make_scaler(spec, spec.device, fake=True)
@@ -337,11 +434,11 @@ def trace_steps(
                         backward_modes=keeper.wrap(backward_modes or contextlib.nullcontext),
                         recorder=recorder,
                     )
-                    grad_ids = {
-                        i
-                        for p in params
-                        if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None
-                    }
+                    grad_ids = set()
+                    for param_index, p in enumerate(params):
+                        if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None:
+                            grad_ids.add(i)
+                            recorder.alloc_params[i] = param_index
                     recorder.set_phase("optimizer_step")
                     if index < optimizer_steps:
                         if scaler is not None:
@@ -352,7 +449,7 @@ def trace_steps(
                     optimizer.zero_grad(set_to_none=True)
                 # the batch lives until the loop fetches the next one
                 del batch
-            state_ids = _optimizer_state_ids(optimizer, recorder)
+            state_ids = _optimizer_state_ids(optimizer, recorder, params)
             mid = _phase_start(recorder.events, start, PHASE["optimizer_step"])
             fb, local = _segment(recorder, start, mid, resident, grad_ids, state_ids, train=train)
             opt = None
@@ -374,7 +471,15 @@ def trace_steps(
             steps.append(((batch_size, seq_len), fb, opt))
             # allocations of this step that survive it (optimizer state) are resident from now on
             resident = len(recorder.sizes)
+    param_infos = _param_infos(model, params, recorder)
+    steady_set = set(steady)
     return StepTrace(
+        params=param_infos,
+        resident_params={g: i for g, i in recorder.alloc_params.items() if g in steady_set},
+        largest_module_parameters=max(
+            (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+            default=0,
+        ),
         resident_sizes=list(recorder.sizes),
         resident_categories=list(recorder.categories),
         steps=steps,
@@ -390,17 +495,83 @@ def trace_steps(
     )
 
 
+def _mark_blocks(model: torch.nn.Module, recorder: StorageRecorder) -> None:
+    """Record where each transformer block's forward and backward start and end.
+
+    Hooks only: no tensor is created, so the allocations are those of the unhooked step. The
+    backward of a block starts when the gradient of any of its outputs arrives and ends when the
+    gradient of its input does (tensor hooks, as FSDP's own pre- and post-backward hooks); a
+    block whose input needs no gradient (the embeddings) has no end marker.
+    """
+    from torch.autograd.graph import register_multi_grad_hook
+
+    def grad_tensors(value: Any) -> list[torch.Tensor]:
+        return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    for index, block in enumerate(fsdp_blocks(model)):
+
+        def before(module: Any, args: Any, kwargs: Any, index: int = index) -> None:
+            recorder.block_event(index, BLOCK_FORWARD_START)
+            inputs = grad_tensors((args, kwargs))
+            if inputs:
+                register_multi_grad_hook(
+                    inputs,
+                    lambda grads, index=index: recorder.block_event(index, BLOCK_BACKWARD_END),
+                    mode="any",
+                )
+
+        def after(module: Any, args: Any, kwargs: Any, output: Any, index: int = index) -> None:
+            recorder.block_event(index, BLOCK_FORWARD_END)
+            outputs = grad_tensors(output)
+            if outputs:
+                register_multi_grad_hook(
+                    outputs,
+                    lambda grads, index=index: recorder.block_event(index, BLOCK_BACKWARD_START),
+                    mode="any",
+                )
+
+        block.register_forward_pre_hook(before, with_kwargs=True)
+        block.register_forward_hook(after, with_kwargs=True)
+
+
 def _optimizer_state_ids(
-    optimizer: torch.optim.Optimizer | None, recorder: StorageRecorder
+    optimizer: torch.optim.Optimizer | None,
+    recorder: StorageRecorder,
+    params: list[torch.nn.Parameter],
 ) -> set[int]:
     if optimizer is None:
         return set()
+    index = {id(p): i for i, p in enumerate(params)}
     ids = set()
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         for value in state.values():
             if isinstance(value, torch.Tensor) and (i := recorder.alloc_id(value)) is not None:
                 ids.add(i)
+                if id(param) in index:
+                    recorder.alloc_params.setdefault(i, index[id(param)])
     return ids
+
+
+def _param_infos(
+    model: torch.nn.Module, params: list[torch.nn.Parameter], recorder: StorageRecorder
+) -> list[ParamInfo]:
+    owner: dict[int, int] = {}
+    for block_index, block in enumerate(fsdp_blocks(model)):
+        for p in block.parameters():
+            owner[id(p)] = block_index
+    infos = []
+    for p in params:
+        alloc = recorder.alloc_id(p)
+        infos.append(
+            ParamInfo(
+                alloc=-1 if alloc is None else alloc,
+                shape=tuple(int(d) for d in p.shape),
+                itemsize=p.element_size(),
+                trainable=p.requires_grad,
+                block=owner.get(id(p), -1),
+            )
+        )
+    return infos
 
 
 def _phase_start(events: list[tuple[int, int]], start: int, phase: int) -> int:
@@ -428,7 +599,9 @@ def _segment(
     forward_alive: set[int] | None = None
     phase = PHASE["setup"]
     for kind, ref in recorder.events[start:stop]:
-        if kind == MARK:
+        if kind == BLOCK:
+            seg.events.append((BLOCK, ref))
+        elif kind == MARK:
             if phase == PHASE["forward"] and ref != PHASE["forward"] and forward_alive is None:
                 forward_alive = set(alive)
             phase = ref
@@ -442,6 +615,7 @@ def _segment(
             seg.itemsizes.append(recorder.itemsizes[ref])
             seg.formulas.append(recorder.formulas[ref])
             seg.categories.append(-1)
+            seg.params.append(-1)
             seg.events.append((ALLOC, local[ref]))
         elif ref in local:
             alive.discard(ref)
@@ -467,4 +641,5 @@ def _segment(
             cat = CAT["transient"]
         seg.categories[j] = cat
         recorder.categories[g] = cat
+        seg.params[j] = recorder.alloc_params.get(g, -1)
     return seg, local

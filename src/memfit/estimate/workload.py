@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,10 @@ class StepSpec:
     device: str = "cuda"
     num_labels: int = 2
     loss: str = "cross-entropy"
-    # LoRA adapters (peft) of this rank on the default target modules; 0: full fine-tuning
+    # LoRA adapters (peft) of this rank; 0: full fine-tuning
     lora_rank: int = 0
+    # which modules get them (see ``lora_target_modules``); empty: the architecture's default
+    lora_targets: tuple[str, ...] = ()
     # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
     # estimator traces two and adds the rest exactly; real runs use the true count)
     cached_chunks: int = 2
@@ -169,28 +171,204 @@ LORA_TASK_TYPES = {
     "sentence-embedding": "FEATURE_EXTRACTION",
 }
 
+# Which modules get LoRA adapters, per architecture (``config.model_type``): module-name suffixes
+# as peft matches them (a module whose path is the name or ends with "." + name). "attention" (the
+# default) is every attention projection (query, key, value, output), not just peft's query and
+# value: for the same rank, adapting all of them trains better (QLoRA's finding) and costs a few
+# MB of adapters. "mlp" adds the feed-forward projections. BERT-style models name the attention
+# output and the MLP output both ``output.dense``, so their "mlp" covers the attention output too.
+# Architectures not listed fall back to peft's own defaults (attention only).
+_BERT_STYLE: dict[str, tuple[str, ...]] = {
+    "attention": ("query", "key", "value", "attention.output.dense"),
+    "mlp": ("intermediate.dense", "output.dense"),
+}
+_LLAMA_STYLE: dict[str, tuple[str, ...]] = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+_NEOX_STYLE: dict[str, tuple[str, ...]] = {
+    "attention": ("query_key_value", "attention.dense"),
+    "mlp": ("dense_h_to_4h", "dense_4h_to_h"),
+}
+LORA_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "bert": _BERT_STYLE,
+    "roberta": _BERT_STYLE,
+    "xlm-roberta": _BERT_STYLE,
+    "camembert": _BERT_STYLE,
+    "electra": _BERT_STYLE,
+    "deberta-v2": {
+        "attention": ("query_proj", "key_proj", "value_proj", "attention.output.dense"),
+        "mlp": ("intermediate.dense", "output.dense"),
+    },
+    "distilbert": {"attention": ("q_lin", "k_lin", "v_lin", "out_lin"), "mlp": ("lin1", "lin2")},
+    "mpnet": {
+        "attention": ("attn.q", "attn.k", "attn.v", "attn.o"),
+        "mlp": ("intermediate.dense", "output.dense"),
+    },
+    # GPT-2's query, key and value are one fused Conv1D (c_attn)
+    "gpt2": {"attention": ("c_attn", "attn.c_proj"), "mlp": ("c_fc", "mlp.c_proj")},
+    "llama": _LLAMA_STYLE,
+    "mistral": _LLAMA_STYLE,
+    "qwen2": _LLAMA_STYLE,
+    "qwen3": _LLAMA_STYLE,
+    "gemma": _LLAMA_STYLE,
+    "gemma2": _LLAMA_STYLE,
+    "opt": {"attention": ("q_proj", "k_proj", "v_proj", "out_proj"), "mlp": ("fc1", "fc2")},
+    "gpt_neox": _NEOX_STYLE,
+    "falcon": {"attention": ("query_key_value", "self_attention.dense"), "mlp": _NEOX_STYLE["mlp"]},
+    "bloom": {"attention": ("query_key_value", "self_attention.dense"), "mlp": _NEOX_STYLE["mlp"]},
+    "phi": {
+        "attention": ("q_proj", "k_proj", "v_proj", "self_attn.dense"),
+        "mlp": ("fc1", "fc2"),
+    },
+}
+LORA_GROUPS = ("attention", "mlp")
+# peft's own value: every linear layer but the output layer
+ALL_LINEAR = "all-linear"
+# what peft's SEQ_CLS task type keeps trainable and saves with the adapter by itself
+PEFT_HEAD_NAMES = ("classifier", "score")
+
+
+def _lora_name_matches(path: str, name: str) -> bool:
+    """peft's rule: ``name`` targets the module at ``path`` if it is the path or ends it."""
+    return path == name or path.endswith("." + name)
+
+
+def _adaptable_modules(model: nn.Module, skip: Sequence[str] = ()) -> list[str]:
+    """The paths of the layers LoRA can adapt (linear, GPT-2's Conv1D, embeddings), outside the
+    ``skip`` modules (the classification head, which is trained whole)."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (nn.Linear, nn.Embedding, Conv1D)
+    return [
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, kinds)
+        and path
+        and not any(path == s or path.startswith(s + ".") for s in skip)
+    ]
+
+
+def lora_head_modules(model: nn.Module) -> list[str]:
+    """A sequence classifier's head: the children beside the pretrained base model that hold
+    weights (BERT's ``classifier``, DistilBERT's ``pre_classifier`` and ``classifier``, GPT-2's
+    ``score``). They start random, so they are trained whole and saved with the adapter."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
+        return []  # a bare backbone (no head around it)
+    return [
+        name
+        for name, child in model.named_children()
+        if name != prefix and any(True for _ in child.parameters())
+    ]
+
+
+def lora_target_modules(
+    model: nn.Module, task: str, requested: Sequence[str] = ()
+) -> list[str] | str:
+    """The target modules of the LoRA adapters on ``model``: one function for the estimator,
+    the planner and ``memfit train``, so that all three count and train the same adapters.
+
+    ``requested`` mixes groups ("attention", "mlp": the architecture's row of ``LORA_TARGETS``),
+    module names as peft matches them, or ``all-linear``; empty means "attention". Every name
+    must match a layer of the model: a UsageError names ``--lora-target-modules`` and lists the
+    names the model has.
+    """
+    from memfit.errors import UsageError
+
+    config: Any = getattr(model, "config", None)
+    model_type = str(getattr(config, "model_type", "") or "")
+    wanted = [str(x).strip() for x in requested if str(x).strip()] or ["attention"]
+    if ALL_LINEAR in wanted:
+        if len(wanted) > 1:
+            raise UsageError(f"--lora-target-modules: {ALL_LINEAR} takes no other names with it")
+        return ALL_LINEAR
+    skip = lora_head_modules(model) if task == "classification" else []
+    paths = _adaptable_modules(model, skip)
+    names: list[str] = []
+    problems: list[str] = []
+    for item in wanted:
+        if item in LORA_GROUPS:
+            group = _lora_group(model_type, item)
+            if group is None:
+                problems.append(
+                    f"memfit knows no {item} modules of {model_type or 'this model'}; name them"
+                )
+                continue
+            found = [n for n in group if any(_lora_name_matches(p, n) for p in paths)]
+            if not found:
+                problems.append(
+                    f"the {item} modules memfit expects of {model_type} ({', '.join(group)}) are "
+                    "not in this model; name them"
+                )
+            names.extend(found)
+        elif any(_lora_name_matches(p, item) for p in paths):
+            names.append(item)
+        else:
+            problems.append(f"no layer of this model is named {item!r}")
+    if problems:
+        available = sorted({p.rsplit(".", 1)[-1] for p in paths})
+        raise UsageError(
+            f"--lora-target-modules: {'; '.join(problems)}. Its layers: {', '.join(available)}"
+            f" (or the groups {', '.join(LORA_GROUPS)}, or {ALL_LINEAR})"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _lora_group(model_type: str, group: str) -> tuple[str, ...] | None:
+    """A group of ``LORA_TARGETS`` for the architecture; peft's defaults for its attention."""
+    row = LORA_TARGETS.get(model_type)
+    if row is not None:
+        return row.get(group)
+    if group != "attention":
+        return None
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    except ImportError:  # pragma: no cover - an old peft
+        return None
+    default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    # a regular expression (peft's form for a few multimodal models) is not a list of names
+    return tuple(default) if isinstance(default, (list, tuple)) else None
+
+
+def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] = ()) -> Any:
+    """The peft ``LoraConfig`` memfit trains and estimates: rank r, alpha = 2·r, dropout 0.1
+    (the usual recipe), the targets of :func:`lora_target_modules`; a classifier's head is
+    trained whole and saved with the adapter (``modules_to_save``)."""
+    from peft import LoraConfig
+
+    extra_heads = [
+        h
+        for h in (lora_head_modules(model) if task == "classification" else [])
+        if not any(h.endswith(name) for name in PEFT_HEAD_NAMES)
+    ]
+    return LoraConfig(
+        task_type=LORA_TASK_TYPES[task],
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.1,
+        target_modules=lora_target_modules(model, task, targets),
+        # peft's SEQ_CLS adds "classifier" and "score" itself (and matches names by their end)
+        modules_to_save=extra_heads or None,
+    )
+
 
 def _with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
-    """LoRA adapters via peft on its default target modules for the architecture.
-
-    alpha = 2·rank and dropout 0.1, the usual recipe; the classification head stays trainable
-    (peft's SEQ_CLS task type saves it), everything else is frozen.
-    """
+    """LoRA adapters via peft on :func:`lora_config`'s target modules; the base is frozen, a
+    classification head stays trainable (saved with the adapter)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
     except ImportError as exc:  # pragma: no cover - peft is in the 'all' extra
         raise RuntimeError("LoRA needs peft: pip install 'memfit[all]'") from exc
-    config = LoraConfig(
-        task_type=LORA_TASK_TYPES[spec.task],
-        r=spec.lora_rank,
-        lora_alpha=2 * spec.lora_rank,
-        lora_dropout=0.1,
-    )
     if isinstance(model, BiEncoder):
+        config = lora_config(
+            model.transformer, "sentence-embedding", spec.lora_rank, spec.lora_targets
+        )
         model.transformer = get_peft_model(model.transformer, config)  # type: ignore[arg-type]
         if model.classifier is not None:
             model.classifier.requires_grad_(True)
         return model
+    config = lora_config(model, spec.task, spec.lora_rank, spec.lora_targets)
     return get_peft_model(model, config)  # type: ignore[arg-type, return-value]
 
 

@@ -124,9 +124,11 @@ class CpuMemoryCap(TorchDispatchMode):
         # that failed to allocate must not stay held
         del out
         leaf = None
+        # " out of memory." (with the full stop) is what accelerate's find_executable_batch_size
+        # (the Trainer's auto_find_batch_size) looks for: the cap must reach it like a real OOM
         raise torch.OutOfMemoryError(
             f"{CAP_MESSAGE_PREFIX}: tried to hold {format_bytes(held)}, the cap is "
-            f"{format_bytes(self.cap_bytes)} (simulated CPU out of memory in {func})"
+            f"{format_bytes(self.cap_bytes)} (simulated CPU out of memory. Raised by {func})"
         )
 
 

@@ -16,6 +16,13 @@ micro-batch (with a token budget: the budget, to half the padded tokens of the c
 and re-runs the whole step from its start: the same rows, each exactly once, the same gradient.
 After ``grow_after`` clean steps it tries twice the micro-batch (budget) again, up to the planned
 one; a grow that fails doubles the wait before the next try.
+
+With several ranks (``ranks``, see :mod:`memfit.train.distributed`) each rank runs its share of the
+step's rows and the ranks meet at a sync point after every micro-batch (a rank with fewer
+micro-batches meets the others without work, or with a zero-weighted pass where the model itself
+communicates, FSDP) and before the gradient reduction. A rank that runs out of memory joins the
+next sync point with its flag up, the others raise :class:`PeerOutOfMemory` there, and all adopt
+the smallest proposed micro-batch (token budget): every rank re-runs the step with the same size.
 """
 
 from __future__ import annotations
@@ -60,6 +67,30 @@ def _lengths(recipe: Any, rows: list[Any]) -> list[int] | None:
 
 def _no_phase(name: str) -> None:
     return None
+
+
+class PeerOutOfMemory(torch.OutOfMemoryError):
+    """Another rank ran out of memory: this rank drops the step and backs off with it."""
+
+
+class RankAgreement(Protocol):
+    """What the guard uses of the process group (:class:`memfit.train.distributed.Ranks`)."""
+
+    def anyone(self, failed: bool) -> bool: ...
+
+    def check(self) -> None: ...
+
+    def most(self, value: int) -> int: ...
+
+    def least(self, *values: int) -> tuple[int, ...]: ...
+
+    def finish_gradients(self, params: Sequence[torch.Tensor]) -> None: ...
+
+    def gather_object(self, obj: Any) -> list[Any]: ...
+
+
+# a budget no rank proposes: "keep mine" in the agreement on the smallest one
+_NO_LIMIT = 1 << 62
 
 
 class StepTooLarge(Exception):
@@ -141,6 +172,9 @@ class Guard:
         target_max_tokens: int | None = None,
         on_phase: Callable[[str], None] | None = None,
         on_oom: Callable[[BaseException], None] | None = None,
+        ranks: RankAgreement | None = None,
+        pad_pass: Callable[[bool], None] | None = None,
+        on_recover: Callable[[], None] | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -166,6 +200,12 @@ class Guard:
         self._chunk: tuple[int, int | None] = (0, None)
         # what the last finished step ran: chunks, real tokens, padded tokens (None: unknown)
         self.last_step: dict[str, int | None] = {}
+        # several ranks: the sync points, and (FSDP) a zero-weighted forward and backward that a
+        # rank with fewer micro-batches runs so that the model's collectives line up
+        self.ranks = ranks
+        self.pad_pass = pad_pass
+        # called after a failed attempt, before the re-run (FSDP resets its iteration state)
+        self.on_recover = on_recover
 
     # -- training ----------------------------------------------------------------------------
     def step(
@@ -177,47 +217,98 @@ class Guard:
         autocast: AutocastFactory = contextlib.nullcontext,
         scale: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         step: int | None = None,
+        total_units: int | None = None,
     ) -> float:
         """Forward and backward of one optimizer step over exactly ``rows``; returns its loss.
 
         The gradients are accumulated into ``params``' ``.grad``, which must be ``None`` (or
-        zero) when the step starts: a re-run after OOM starts again from ``None``.
+        zero) when the step starts: a re-run after OOM starts again from ``None``. With several
+        ranks ``rows`` is this rank's share, ``total_units`` the whole step's units (on every
+        rank), the returned loss this rank's part of it, and the gradients leave reduced.
         """
-        if not rows:
+        if not rows and self.ranks is None:
             raise ValueError("a step needs at least one row")
         self._maybe_grow(step)
         clean = True
         while True:
             size = self.micro_batch_size
             error: str | None = None
+            own = False
+            units = int(total_units) if total_units is not None else recipe.units(rows)
             try:
-                loss = self._forward_backward(rows, recipe, size, autocast, scale)
+                loss = self._forward_backward(rows, recipe, size, autocast, scale, units, params)
             except Exception as exc:
                 if not is_oom(exc):
                     raise
+                own = not isinstance(exc, PeerOutOfMemory)
                 error = _first_line(exc)
-                if self.on_oom is not None:
+                if own and self.on_oom is not None:
                     self.on_oom(exc)
                 _release(exc)
             if error is None:
                 break
             # out of the except block: the exception and its frames are gone now
             clean = False
+            if self.on_recover is not None:
+                self.on_recover()
             self._clear_grads(params)
             self._free_memory()
+            if own and self.ranks is not None:
+                # the sync point the others are waiting at: they learn of it there
+                self.ranks.anyone(True)
             if self._growing:
                 # the grown size does not fit: wait twice as long before the next try
                 self._growing = False
                 self.grow_after *= 2
-            if self.max_tokens is not None and self._chunk[1] is not None:
-                self.max_tokens = self._back_off_tokens(error, step=step)
-            else:
-                self.micro_batch_size = self._back_off(
-                    size, len(rows), error, step=step, phase="train"
-                )
+            self._adopt_back_off(error, own=own, rows=len(rows), size=size, step=step)
         self._growing = False
         self.clean_steps = self.clean_steps + 1 if clean else 0
         return loss
+
+    def _adopt_back_off(
+        self, error: str, *, own: bool, rows: int, size: int, step: int | None
+    ) -> None:
+        """The next micro-batch (token budget) after an OOM; every rank adopts the same one."""
+        tokens = self.max_tokens is not None and self._chunk[1] is not None
+        if self.ranks is None:
+            if tokens:
+                self.max_tokens = self._back_off_tokens(error, step=step)
+            else:
+                self.micro_batch_size = self._back_off(size, rows, error, step=step, phase="train")
+            return
+        # several ranks: the ranks that failed propose half of what failed (0: even one row
+        # fails), the others keep theirs; all take the smallest
+        proposal_rows, proposal_tokens = self.micro_batch_size, self.max_tokens or _NO_LIMIT
+        if own:
+            rows_failed, padded = self._chunk
+            event: dict[str, Any] = {"type": "oom", "step": step, "micro_batch_size": size}
+            if tokens:
+                event.update(padded_tokens=padded, max_tokens=self.max_tokens)
+                proposal_tokens = (
+                    0
+                    if rows_failed <= 1 or not padded or (self.max_tokens or 0) <= 1
+                    else max(1, min(self.max_tokens or padded, padded) // 2)
+                )
+            else:
+                effective = min(size, rows_failed or rows or size)
+                proposal_rows = 0 if effective <= 1 else effective // 2
+            self._emit({**event, "error": error})
+        agreed_rows, agreed_tokens = self.ranks.least(proposal_rows, proposal_tokens)
+        if agreed_rows < 1 or agreed_tokens < 1:
+            raise StepTooLarge(
+                error if own else "another rank ran out of memory with one row per micro-batch",
+                micro_batch_size=1,
+                phase="train",
+            )
+        backoff: dict[str, Any] = {"type": "backoff", "step": step}
+        backoff.update({"from": self.micro_batch_size, "to": agreed_rows})
+        if tokens:
+            backoff.update(max_tokens_from=self.max_tokens, max_tokens_to=agreed_tokens)
+            self.max_tokens = agreed_tokens
+        self.micro_batch_size = agreed_rows
+        if not own:
+            backoff["cause"] = "another rank"
+        self._emit(backoff)
 
     def _forward_backward(
         self,
@@ -226,10 +317,12 @@ class Guard:
         size: int,
         autocast: AutocastFactory,
         scale: Callable[[torch.Tensor], torch.Tensor],
+        total_units: int,
+        params: Sequence[torch.Tensor] = (),
     ) -> float:
-        total_units = recipe.units(rows)
         self._chunk = (0, None)
         phase = self.on_phase or _no_phase
+        ranks = self.ranks
         if not recipe.splittable:
             # the recipe splits internally (GradCache) without changing the gradient
             phase("forward")
@@ -237,22 +330,37 @@ class Guard:
                 loss = recipe.loss(rows, total_units, mini_batch_size=size)
             phase("backward")
             scale(loss).backward()
-            return float(loss.detach())
-        step_loss = 0.0
-        chunks = self.chunks(rows, recipe, size, self.max_tokens)
-        for chunk in chunks:
-            self._chunk = (len(chunk), self._padded(recipe, chunk))
-            phase("forward")
-            with autocast():
-                loss = recipe.loss(chunk, total_units)
-            phase("backward")
-            scale(loss).backward()
-            step_loss += float(loss.detach())
-            # the graph is freed by backward; drop the last reference before the next forward
+            value = float(loss.detach())
             del loss
+            if ranks is not None:
+                ranks.finish_gradients(params)
+            return value
+        step_loss = 0.0
+        chunks = self.chunks(rows, recipe, size, self.max_tokens) if rows else []
+        # several ranks meet after every micro-batch: the same number of times on each
+        count = ranks.most(len(chunks)) if ranks is not None else len(chunks)
+        for index in range(count):
+            if index < len(chunks):
+                chunk = chunks[index]
+                self._chunk = (len(chunk), self._padded(recipe, chunk))
+                phase("forward")
+                with autocast():
+                    loss = recipe.loss(chunk, total_units)
+                phase("backward")
+                scale(loss).backward()
+                step_loss += float(loss.detach())
+                # the graph is freed by backward; drop the last reference before the next forward
+                del loss
+            elif self.pad_pass is not None:
+                # the model communicates in its forward and backward (FSDP): join with no weight
+                self.pad_pass(True)
+            if ranks is not None:
+                ranks.check()
+        if ranks is not None:
+            ranks.finish_gradients(params)
         lengths = _lengths(recipe, rows)
         self.last_step = {
-            "chunks": len(chunks),
+            "chunks": count,
             "tokens": sum(lengths) if lengths is not None else None,
             "padded_tokens": sum(self._padded(recipe, c) or 0 for c in chunks)
             if lengths is not None
@@ -324,7 +432,9 @@ class Guard:
         Where the recipe knows its rows' lengths the rows go longest first, in chunks under the
         token budget too (the metrics do not depend on the order). On OOM only the failed chunk
         is re-run, smaller; finished chunks are kept. The training micro-batch is left as it is
-        (eval holds no gradients, so its sizes differ).
+        (eval holds no gradients, so its sizes differ). With several ranks ``rows`` is this
+        rank's share: the ranks meet after every chunk (until all are done), back off together,
+        and the metrics are reduced over every rank's chunks.
         """
         size = int(micro_batch_size or self.micro_batch_size)
         budget = self.max_tokens
@@ -332,29 +442,95 @@ class Guard:
         if lengths is not None:
             order = sorted(range(len(rows)), key=lambda i: -lengths[i])
             rows = [rows[i] for i in order]
+        ranks = self.ranks
         partials: list[Any] = []
         start = 0
         with torch.no_grad():
-            while start < len(rows):
-                chunk = self.chunks(list(rows[start : start + size]), recipe, size, budget)[0]
+            while True:
+                done = start >= len(rows)
+                # several ranks go on while any has rows left (the same number of rounds each)
+                if done and (ranks is None or ranks.most(0) == 0):
+                    break
+                if not done and ranks is not None:
+                    ranks.most(1)
+                chunk = (
+                    []
+                    if done
+                    else self.chunks(list(rows[start : start + size]), recipe, size, budget)[0]
+                )
                 error: str | None = None
+                partial: Any = None
                 try:
-                    with autocast():
-                        partial = recipe.eval_partial(chunk)
+                    if chunk:
+                        with autocast():
+                            partial = recipe.eval_partial(chunk)
+                    elif self.pad_pass is not None:
+                        self.pad_pass(False)
                 except Exception as exc:
                     if not is_oom(exc):
                         raise
                     error = _first_line(exc)
                     _release(exc)
-                if error is None:
+                if error is None and chunk:
                     partials.append(partial)
                     start += len(chunk)
+                # one sync point a round; a rank that failed raises its flag here
+                failed = ranks.anyone(error is not None) if ranks is not None else error is not None
+                if not failed:
                     continue
+                if self.on_recover is not None:
+                    self.on_recover()
                 self._free_memory()
-                size = self._back_off(size, len(chunk), error, step=step, phase="eval")
-                if budget is not None:
-                    budget = max(1, min(budget, self._padded(recipe, chunk) or budget) // 2)
+                if ranks is None:
+                    assert error is not None
+                    size = self._back_off(size, len(chunk), error, step=step, phase="eval")
+                    if budget is not None:
+                        budget = max(1, min(budget, self._padded(recipe, chunk) or budget) // 2)
+                    continue
+                size, budget = self._agree_eval_back_off(recipe, chunk, error, size, budget, step)
+        if ranks is not None:
+            partials = [p for share in ranks.gather_object(partials) for p in share]
         return recipe.eval_reduce(partials)
+
+    def _agree_eval_back_off(
+        self,
+        recipe: GuardedRecipe,
+        chunk: list[Any],
+        error: str | None,
+        size: int,
+        budget: int | None,
+        step: int | None,
+    ) -> tuple[int, int | None]:
+        """Several ranks: the eval chunk size (token budget) every rank adopts after an OOM."""
+        assert self.ranks is not None
+        proposal_rows, proposal_tokens = size, budget or _NO_LIMIT
+        if error is not None:
+            self._emit(
+                {
+                    "type": "oom",
+                    "step": step,
+                    "micro_batch_size": size,
+                    "phase": "eval",
+                    "error": error,
+                }
+            )
+            effective = min(size, len(chunk))
+            proposal_rows = 0 if effective <= 1 else effective // 2
+            if budget is not None:
+                proposal_tokens = max(1, min(budget, self._padded(recipe, chunk) or budget) // 2)
+        rows, tokens = self.ranks.least(proposal_rows, proposal_tokens)
+        if rows < 1:
+            raise StepTooLarge(
+                error or "another rank ran out of memory evaluating one row",
+                micro_batch_size=1,
+                phase="eval",
+            )
+        event: dict[str, Any] = {"type": "backoff", "step": step, "from": size, "to": rows}
+        event["phase"] = "eval"
+        if error is None:
+            event["cause"] = "another rank"
+        self._emit(event)
+        return rows, (tokens if budget is not None else None)
 
     # -- recovery ----------------------------------------------------------------------------
     def _back_off(self, size: int, rows: int, error: str, *, step: int | None, phase: str) -> int:

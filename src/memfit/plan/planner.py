@@ -9,6 +9,12 @@ Levers, least harmful first:
 4. only when allowed: an 8-bit AdamW or Adafactor optimizer, truncation, LoRA (in that order of
    harm: a configuration's *tier* is the most harmful lever it uses).
 
+With ``world_size`` W and ``sharding`` (none | zero1 | zero2 | zero3 | fsdp) the plan is per rank:
+micro-batch × accumulation × W = the effective batch, each rank's memory as the scheme divides
+it (:mod:`memfit.estimate.sharding`). When nothing fits, the suggestions price scaling out: the
+least configuration's memory per GPU on more GPUs and with each scheme (``scale_out``), and the
+smallest world size with the least harmful scheme that fits, as a command to run.
+
 Within the least harmful tier that fits, configurations are ranked by predicted throughput
 (:mod:`memfit.plan.cost`). For fixed other knobs memory grows with the micro-batch, and so does
 throughput, so each knob combination is tried at its largest fitting micro-batch, found by
@@ -27,6 +33,7 @@ from memfit.errors import UsageError
 from memfit.estimate import workload
 from memfit.estimate.api import estimate
 from memfit.estimate.prefetch import prefetch
+from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
 from memfit.plan import cost
 from memfit.plan.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.plan.data_profile import DataProfile
@@ -69,6 +76,7 @@ class Candidate:
     mini_batch_size: int | None
     predicted_peak_bytes: int
     predicted_samples_per_second: float
+    sharding: str = "none"
 
     def settings(self) -> dict[str, Any]:
         """The plan keys (plus ``lora_rank``)."""
@@ -76,6 +84,7 @@ class Candidate:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "world_size": self.world_size,
+            "sharding": self.sharding,
             "precision": self.knobs.precision,
             "gradient_checkpointing": self.knobs.gradient_checkpointing,
             "optimizer": self.knobs.optimizer,
@@ -116,6 +125,16 @@ class Plan:
     gpu: str | None = None
     safety_margin: float = 0.05
     data: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    sharding: str = "none"
+    # the least configuration's memory per GPU on other world sizes and schemes (nothing fits)
+    scale_out: list[dict[str, Any]] = field(default_factory=list)
+    # the job's other flags, for the commands the plan prints
+    loss: str | None = None
+    allow: tuple[str, ...] = ()
+    pinned_precision: str | None = None
+    base_optimizer: str = "adamw"
+    attn_implementation: str = "sdpa"
 
     @property
     def plan(self) -> dict[str, Any] | None:
@@ -136,6 +155,9 @@ class Plan:
             "alternatives": [c.to_dict() for c in self.alternatives],
             "explanation": list(self.explanation),
             "suggestions": list(self.suggestions),
+            "world_size": self.world_size,
+            "sharding": self.sharding,
+            "scale_out": [dict(row) for row in self.scale_out],
         }
 
     def estimate_command(self) -> str | None:
@@ -164,8 +186,38 @@ class Plan:
             parts.append(f"--lora-rank {s['lora_rank']}")
         if s["world_size"] > 1:
             parts.append(f"--world-size {s['world_size']}")
+        if s["sharding"] != "none":
+            parts.append(f"--sharding {s['sharding']}")
+        if self.attn_implementation != "sdpa":
+            parts.append(f"--attn-implementation {self.attn_implementation}")
         if self.gpu:
             parts.append(f"--gpu {self.gpu}")
+        return " ".join(parts)
+
+    def plan_command(self, world_size: int, sharding: str) -> str:
+        """The ``memfit plan`` command of this job on ``world_size`` GPUs with ``sharding``."""
+        parts = [
+            f"memfit plan {self.model} --task {self.task} --seq-len {self.seq_len}",
+            f"--effective-batch-size {self.effective_batch_size}",
+        ]
+        if self.task == "classification" and self.num_labels != 2:
+            parts.append(f"--num-labels {self.num_labels}")
+        if self.loss:
+            parts.append(f"--loss {self.loss}")
+        from memfit.plan.catalog import catalog as gpus
+
+        card = gpus().get(self.gpu) if self.gpu else None
+        if card is None or card.memory_bytes != self.budget_bytes:
+            parts.append(f"--gpu-memory {self.budget_bytes}")
+        if self.gpu:
+            parts.append(f"--gpu {self.gpu}")
+        if self.pinned_precision:
+            parts.append(f"--precision {self.pinned_precision}")
+        if self.allow:
+            parts.append(f"--allow {','.join(self.allow)}")
+        parts.append(f"--world-size {world_size}")
+        if sharding != "none":
+            parts.append(f"--sharding {sharding}")
         return " ".join(parts)
 
 
@@ -187,7 +239,9 @@ class _Job:
     shape: cost.ModelShape
     columns: int
     frugal_precision: str = "fp32"
+    sharding: str = "none"
     _estimates: dict[tuple[Knobs, int], int] = field(default_factory=dict)
+    _model_states: dict[tuple[Knobs, int], int] = field(default_factory=dict)
 
     @property
     def in_batch_negatives(self) -> bool:
@@ -221,6 +275,7 @@ class _Job:
             lora_rank=knobs.lora_rank or None,
             max_seq_len=knobs.max_seq_len if knobs.max_seq_len < self.seq_len else None,
             world_size=self.world_size,
+            sharding=self.sharding,
             gpu=self.gpu_name,
             **kwargs,
         )
@@ -231,7 +286,13 @@ class _Job:
         if key not in self._estimates:
             result = estimate(self.model, **self.estimate_kwargs(knobs, micro))
             self._estimates[key] = result.total_bytes
+            self._model_states[key] = result.details["model_state"]["total_bytes"]
         return self._estimates[key]
+
+    def model_state(self, knobs: Knobs, micro: int) -> int:
+        """Parameters, gradients and optimizer state on one rank (plus the scheme's buffers)."""
+        self.peak(knobs, micro)
+        return self._model_states[(knobs, micro)]
 
     def candidate(self, knobs: Knobs, micro: int) -> Candidate:
         cached = self.in_batch_negatives and micro < self.per_rank
@@ -251,6 +312,7 @@ class _Job:
             mini_batch_size=mini,
             predicted_peak_bytes=self.peak(knobs, micro),
             predicted_samples_per_second=self.speed(knobs, micro),
+            sharding=self.sharding,
         )
 
     def speed(self, knobs: Knobs, micro: int) -> float:
@@ -319,10 +381,14 @@ def plan(
     num_labels: int = 2,
     optimizer: str = "adamw",
     attn_implementation: str = "sdpa",
+    sharding: str = "none",
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing (and, when allowed, optimizer,
     truncation, LoRA) so that one step fits ``budget × (1 − safety_margin)`` and the effective
     batch stays ``effective_batch_size`` exactly.
+
+    ``world_size`` GPUs share the effective batch; ``sharding`` (none | zero1 | zero2 | zero3 |
+    fsdp) says how they divide parameters, gradients and optimizer state; the budget is per GPU.
 
     The budget is ``gpu_memory``, else the memory of the catalog GPU ``gpu``, else the free memory
     of this machine's GPU. Returns a :class:`Plan`; ``plan.fits`` is False (and ``plan.plan`` None)
@@ -359,6 +425,10 @@ def plan(
     if optimizer not in workload.OPTIMIZERS:
         problems.append(
             f"--optimizer: unknown value {optimizer!r}; choose one of {', '.join(workload.OPTIMIZERS)}"
+        )
+    if sharding not in SCHEMES:
+        problems.append(
+            f"--sharding: unknown value {sharding!r}; choose one of {', '.join(SCHEMES)}"
         )
     resolved_loss = workload.resolve_loss(task, loss, problems)
     if resolved_loss == "cached-mnrl":
@@ -451,6 +521,7 @@ def plan(
         usable=usable,
         shape=cost.model_shape(model_spec.config, spec),
         columns=2 if task == "sentence-embedding" else 1,
+        sharding=sharding,
     )
     profile = (
         data_profile
@@ -527,6 +598,13 @@ def plan(
         num_labels=num_labels,
         gpu=gpu_name,
         safety_margin=safety_margin,
+        world_size=world_size,
+        sharding=sharding,
+        loss=loss if task == "sentence-embedding" else None,
+        allow=tuple(allowed),
+        pinned_precision=precision,
+        base_optimizer=optimizer,
+        attn_implementation=attn_implementation,
     )
     result.min_required_bytes = min_required
     result.alternatives = sorted(
@@ -537,6 +615,7 @@ def plan(
         result.data = {"source": profile.source, "samples": len(profile.lengths)}
     result.explanation = notes + _explain(job, result, profile, allowed)
     if chosen is None:
+        result.scale_out = _scale_out(job, precisions, optimizers, lengths, ranks)
         result.suggestions = _suggest(job, result, allowed, precisions, optimizers, lengths, ranks)
     return result
 
@@ -602,6 +681,26 @@ def _explain(
             + (f" × {c.world_size} GPUs" if c.world_size > 1 else "")
             + f" = {job.per_rank * job.world_size}: {_gib(c.predicted_peak_bytes)} of "
             f"{_gib(result.budget_bytes)} ({_gib(usable)} after the {result.safety_margin:.0%} margin)."
+        )
+    micro = c.mini_batch_size or c.micro_batch_size
+    if job.sharding != "none":
+        lines.append(
+            f"--sharding {job.sharding} over {job.world_size} GPU"
+            + ("s" if job.world_size > 1 else "")
+            + f": each holds {_gib(job.model_state(k, micro))} of parameters, gradients and "
+            "optimizer state (with the scheme's own buffers); "
+            + (
+                _SCHEME_WORDS[job.sharding]
+                if job.world_size > 1
+                else "on one GPU it divides nothing and only adds its buffers"
+            )
+            + ". The throughput counts compute only."
+        )
+    elif job.world_size > 1:
+        lines.append(
+            f"Data parallelism over {job.world_size} GPUs: each holds the whole model, its "
+            f"gradients and optimizer state ({_gib(job.model_state(k, micro))}); gradients are "
+            "all-reduced in place after the step's micro-batches."
         )
     per_rank = job.per_rank
     larger = [m for m in _divisors(per_rank) if m > (c.mini_batch_size or c.micro_batch_size)]
@@ -709,15 +808,11 @@ def _suggest(
         )
     else:
         out.append(f"No GPU in the catalog holds {format_bytes(need)} on its own.")
+    out.extend(_scale_out_lines(job, result))
     if job.in_batch_negatives:
         out.append(
             "More GPUs (--world-size) split the batch, but each GPU then sees fewer in-batch "
             "negatives unless embeddings are gathered across GPUs."
-        )
-    else:
-        out.append(
-            "More GPUs with plain data parallelism do not lower the memory per GPU (each holds the "
-            "whole model and optimizer); sharding them (FSDP, DeepSpeed ZeRO) would."
         )
 
     def least(optimizer_names: Sequence[str], length: int, rank: int) -> str:
@@ -747,3 +842,107 @@ def _suggest(
                 "need " + least(optimizers, short, max(ranks)) + "."
             )
     return out
+
+
+SCALE_OUT_STEPS = 3  # world sizes priced beyond the one asked: ×2, ×4, ×8
+
+
+def _scale_out(
+    job: _Job,
+    precisions: Sequence[str],
+    optimizers: Sequence[str],
+    lengths: Sequence[int],
+    ranks: Sequence[int],
+) -> list[dict[str, Any]]:
+    """The least configuration's memory per GPU on more GPUs and with each sharding scheme.
+
+    World sizes: the one asked (other schemes; not when it is one GPU) and 2×, 4×, 8× it, those
+    that divide the effective batch. The least configuration is the one ``min_required_bytes`` prices (micro-batch 1,
+    checkpointing, every allowed lever), at each precision and optimizer; sharding is a replay of
+    the same traces, so this costs milliseconds per entry.
+    """
+    effective = job.per_rank * job.world_size
+    # on one GPU a scheme divides nothing: only more GPUs are priced then
+    first = 0 if job.world_size > 1 else 1
+    worlds = [job.world_size * 2**k for k in range(first, SCALE_OUT_STEPS + 1)]
+    rows: list[dict[str, Any]] = []
+    for world in worlds:
+        if effective % world:
+            continue
+        for scheme in sorted(SCHEMES, key=SCHEME_ORDER.__getitem__):
+            if (world, scheme) == (job.world_size, job.sharding):
+                continue  # what the plan just searched
+            other = dataclasses.replace(
+                job,
+                world_size=world,
+                per_rank=effective // world,
+                sharding=scheme,
+                _estimates={},
+                _model_states={},
+            )
+            need, knobs = min(
+                (other.peak(Knobs(p, True, o, min(lengths), max(ranks)), 1), p + "/" + o)
+                for p in precisions
+                for o in optimizers
+            )
+            rows.append(
+                {
+                    "world_size": world,
+                    "sharding": scheme,
+                    "predicted_peak_bytes": need,
+                    "fits": need <= job.usable,
+                    "precision": knobs.split("/")[0],
+                    "optimizer": knobs.split("/")[1],
+                }
+            )
+    return rows
+
+
+def _scale_out_lines(job: _Job, result: Plan) -> list[str]:
+    """Scale-out suggestions with their numbers: per world size, each scheme's least memory."""
+    rows = result.scale_out
+    if not rows:
+        return [
+            "More GPUs: the effective batch does not split evenly over 2, 4 or 8 times the "
+            "GPUs; choose an effective batch size they divide to price scaling out."
+        ]
+    lines = []
+    for world in sorted({r["world_size"] for r in rows}):
+        parts = [
+            f"{r['sharding']} {format_bytes(r['predicted_peak_bytes'])}"
+            + (" (fits)" if r["fits"] else "")
+            for r in rows
+            if r["world_size"] == world
+        ]
+        lines.append(
+            f"On {world} GPUs the least configuration needs per GPU: " + ", ".join(parts) + "."
+        )
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda r: (r["world_size"], SCHEME_ORDER[r["sharding"]]))
+        lines.append(
+            f"Fewest GPUs that fit: {best['world_size']} with --sharding {best['sharding']} "
+            f"({format_bytes(best['predicted_peak_bytes'])} per GPU; "
+            + (
+                "plain data parallelism, a smaller batch per GPU"
+                if best["sharding"] == "none"
+                else _SCHEME_WORDS[best["sharding"]]
+            )
+            + f"): {result.plan_command(best['world_size'], best['sharding'])}"
+        )
+    else:
+        largest = max(r["world_size"] for r in rows)
+        lines.append(f"Not even {largest} GPUs with any sharding hold the least configuration.")
+    return lines
+
+
+_SCHEME_WORDS = {
+    "fsdp": "PyTorch FSDP shards parameters, gradients and optimizer state, and gathers each "
+    "block's parameters again in backward; memfit train runs it",
+    "zero1": "DeepSpeed ZeRO-1 shards the optimizer state; it needs DeepSpeed, which memfit "
+    "train does not run yet",
+    "zero2": "DeepSpeed ZeRO-2 shards optimizer state and gradients; it needs DeepSpeed, which "
+    "memfit train does not run yet",
+    "zero3": "DeepSpeed ZeRO-3 shards parameters, gradients and optimizer state; it needs "
+    "DeepSpeed, which memfit train does not run yet",
+}

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.report.events import agreed_events
 from memfit.units import format_bytes
 
 # every unit of PyTorch's OOM messages is binary (see the module docstring)
@@ -645,7 +646,8 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
             raise UsageError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
         if isinstance(event, dict):
             events.append(event)
-    return events
+    # several ranks log each agreed back-off once each: keep one
+    return agreed_events(events)
 
 
 def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Knobs | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.report.events import agreed_events
 from memfit.units import format_bytes
 
 PLOTS = ("memory.png", "breakdown.png", "training.png")
@@ -40,6 +41,8 @@ def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     bad_events = 0
     if (folder / "events.jsonl").is_file():
         events, bad_events = _read_jsonl(folder / "events.jsonl")
+        # several ranks log each agreed back-off once each: keep one
+        events = agreed_events(events)
     run: dict[str, Any] = {}
     if (folder / "run.json").is_file():
         try:

@@ -98,7 +98,8 @@ def _event_label(event: Mapping[str, Any]) -> str:
     if kind == "oom":
         size = event.get("micro_batch_size")
         tokens = event.get("max_tokens")
-        return f"OOM mb {size}" + (f", {tokens} tok" if tokens else "")
+        where = f" (rank {event['rank']})" if event.get("rank") is not None else ""
+        return f"OOM mb {size}" + (f", {tokens} tok" if tokens else "") + where
     if kind in ("backoff", "grow"):
         if "cure" in event:
             return str(event["cure"])
@@ -113,7 +114,9 @@ def _event_label(event: Mapping[str, Any]) -> str:
 def _step_label(kind: str, found: Sequence[Mapping[str, Any]]) -> str:
     """One label for the events of one kind at one step: ``OOM at mb 8, 4``, ``mb 8→4→2``."""
     if kind == "oom" and all("max_tokens" not in e and "phase" not in e for e in found):
-        return "OOM at mb " + ", ".join(str(e.get("micro_batch_size")) for e in found)
+        label = "OOM at mb " + ", ".join(str(e.get("micro_batch_size")) for e in found)
+        ranks = sorted({e["rank"] for e in found if e.get("rank") is not None})
+        return label + (f" (rank {', '.join(map(str, ranks))})" if ranks else "")
     if kind == "backoff" and all(
         "from" in e and "to" in e and "max_tokens_from" not in e for e in found
     ):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 STATE_FILE = "trainer_state.json"
@@ -71,8 +71,54 @@ def write_checkpoint(
     scaler: Any,
     state: dict[str, Any],
     keep: int | None = None,
+    ranks: Any = None,
+    sharded: Any = None,
 ) -> Path:
-    """Write ``folder/step-N`` atomically; keep the newest ``keep`` checkpoints (None: all)."""
+    """Write ``folder/step-N`` atomically; keep the newest ``keep`` checkpoints (None: all).
+
+    With several ranks every rank calls it: rank 0 writes the files, the others hand it their
+    random generators' state; under FSDP every rank first helps gather the whole model's
+    weights and optimizer state (a collective). The files are the same either way, so a
+    checkpoint resumes on any number of ranks.
+    """
+    # the whole model's weights and optimizer state, gathered from the shards (all ranks)
+    weights = sharded.full_state_dict() if sharded is not None else None
+    optimizer_state = sharded.full_optimizer_state(optimizer) if sharded is not None else None
+    rngs = ranks.gather_object(rng_state()) if ranks is not None else None
+    final = folder / f"step-{step}"
+    if ranks is None or ranks.is_main:
+        _write(
+            folder,
+            step,
+            model=model,
+            optimizer_state=optimizer_state
+            if optimizer_state is not None
+            else optimizer.state_dict(),
+            weights=weights,
+            scheduler=scheduler,
+            scaler=scaler,
+            state={**state, "world_size": ranks.world_size if ranks is not None else 1}
+            | ({"rng_ranks": rngs} if rngs is not None else {}),
+            keep=keep,
+        )
+    if ranks is not None:
+        # nobody goes on (or exits) before the checkpoint is whole
+        ranks.barrier()
+    return final
+
+
+def _write(
+    folder: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer_state: dict[str, Any],
+    weights: dict[str, torch.Tensor] | None,
+    scheduler: Any,
+    scaler: Any,
+    state: dict[str, Any],
+    keep: int | None,
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step-{step}"
     tmp = folder / f".tmp-step-{step}-{os.getpid()}"
@@ -80,8 +126,11 @@ def write_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if weights is not None:
+            save_file(_unshared(weights), str(tmp / "model.safetensors"))
+        else:
+            save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
@@ -101,7 +150,18 @@ def write_checkpoint(
     if keep is not None:
         for old_step in completed_steps(folder)[:-keep]:
             shutil.rmtree(folder / f"step-{old_step}", ignore_errors=True)
-    return final
+
+
+def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied weights (GPT-2's lm_head and wte) share one storage, which safetensors refuses:
+    the later names get a copy."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        key = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if key in seen else tensor.contiguous()
+        seen.add(key)
+    return out
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -138,15 +198,34 @@ def read_checkpoint(
     scheduler: Any,
     scaler: Any,
     device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    sharded: Any = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint into the run's objects; returns its trainer state (RNG already set)."""
-    load_model(model, str(path / "model.safetensors"), device=str(device))
-    optimizer.load_state_dict(
-        torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
-    )
+    """Load a checkpoint into the run's objects; returns its trainer state (RNG already set).
+
+    Every rank reads the same files. A rank's own random generators come back when the run had
+    as many ranks; otherwise the ranks keep the seeds they started with.
+    """
+    if sharded is not None:
+        # whole-model files, loaded into this rank's shards
+        sharded.load(
+            load_file(str(path / "model.safetensors")),
+            optimizer,
+            torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True),
+        )
+    else:
+        load_model(model, str(path / "model.safetensors"), device=str(device))
+        optimizer.load_state_dict(
+            torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+        )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
     state: dict[str, Any] = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    set_rng_state(state["rng"])
+    rngs = state.get("rng_ranks")
+    if rngs is not None and len(rngs) == world_size:
+        set_rng_state(rngs[rank])
+    elif world_size == 1 or rank == 0:
+        set_rng_state(state["rng"])
     return state

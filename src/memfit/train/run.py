@@ -34,6 +34,7 @@ import torch
 from memfit.data.batching import length_grouped_order
 from memfit.data.rows import DataOptions, Row, RowTable, all_lengths, write_skipped
 from memfit.errors import NothingFitsError, UsageError
+from memfit.train.distributed import shard_rows
 
 TASKS = ("classification", "causal-lm", "sentence-embedding")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit", "adafactor")
@@ -77,15 +78,25 @@ class TrainConfig:
     grow_after: int = 50
     quiet: bool = False  # no progress lines (the API's callers that print their own)
     # the plan's keys (None: planned before step 0, or the defaults)
-    micro_batch_size: int | None = None
+    micro_batch_size: int | None = None  # per rank
     gradient_accumulation_steps: int | None = None
-    world_size: int = 1
+    # data-parallel ranks: None takes what the launcher (torchrun, accelerate launch) started; a
+    # number (a plan's) must match it
+    world_size: int | None = None
+    # how the ranks divide the model: none (each holds all of it, gradients all-reduced),
+    # fsdp (PyTorch FSDP2), zero1|zero2|zero3 (DeepSpeed ZeRO, CUDA only)
+    sharding: str = "none"
     precision: str | None = None
     gradient_checkpointing: bool | None = None
     max_seq_len: int | None = None
     mini_batch_size: int | None = None
     max_tokens_per_micro_batch: int | None = None
     lora_rank: int | None = None
+    # LoRA (issue 8): --lora-target-modules (groups attention/mlp, module names, or all-linear;
+    # default: the architecture's attention projections), --merge-lora (DIR/model is the merged
+    # model, not the adapter folder); see memfit.train.lora
+    lora_target_modules: list[str] | None = None
+    merge_lora: bool = False
     seq_len: int | None = None
     attn_implementation: str | None = None
     # data (issue 5): the label set, bad rows, the cache, batching, the probe
@@ -99,6 +110,9 @@ class TrainConfig:
     # CUDA: record the allocator's history and dump a snapshot (DIR/memory-snapshots/) at each
     # caught OOM, for PyTorch's memory viewer (https://pytorch.org/memory_viz)
     memory_snapshot: bool = False
+    # --report-to: the step, eval and guard figures also to tensorboard and/or wandb
+    # (comma-separated; rank 0 only); see memfit.train.loggers
+    report_to: str = "none"
 
 
 @dataclass
@@ -157,19 +171,16 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--lr: must be > 0, got {cfg.lr}")
     if not 0 <= cfg.warmup_ratio < 1:
         problems.append(f"--warmup-ratio: must be in [0, 1), got {cfg.warmup_ratio}")
-    if cfg.world_size != 1:
-        problems.append(
-            "--world-size: memfit train runs one process; launch several ranks with torchrun "
-            "(multi-GPU is not built yet)"
-        )
+    problems.extend(_distributed_problems(cfg))
     if cfg.device not in (None, "cpu", "cuda"):
         problems.append(f"--device: unknown value {cfg.device!r}; cuda or cpu")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         problems.append("--device: cuda was asked for but no CUDA GPU is visible")
-    if cfg.lora_rank and cfg.task == "sentence-embedding":
-        problems.append("--lora-rank: LoRA is built for classification and causal-lm only")
-    if cfg.lora_rank is not None and cfg.lora_rank < 0:
-        problems.append(f"--lora-rank: must be ≥ 0, got {cfg.lora_rank}")
+    from memfit.train.loggers import report_problems
+    from memfit.train.lora import lora_problems
+
+    problems.extend(lora_problems(cfg))
+    problems.extend(report_problems(cfg.report_to))
     for flag, path in (("--train-file", cfg.train_file), ("--eval-file", cfg.eval_file)):
         if path is not None and not Path(path).exists():
             problems.append(f"{flag}: {path}: no such file or folder")
@@ -216,6 +227,66 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def _distributed_problems(cfg: TrainConfig) -> list[str]:
+    """What cannot run with the ranks launched and the sharding asked for, before anything
+    starts (DeepSpeed on the CPU, a plan for 4 ranks in 1 process, ...)."""
+    from memfit.train.distributed import DEEPSPEED_SHARDINGS, SHARDINGS, launched_world_size
+
+    problems: list[str] = []
+    launched = launched_world_size()
+    wanted = cfg.world_size
+    if wanted is not None and (
+        isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1
+    ):
+        problems.append(f"--world-size: must be a whole number ≥ 1, got {wanted!r}")
+    elif wanted is not None and wanted != launched:
+        if launched == 1:
+            problems.append(
+                f"--world-size: {wanted} ranks asked for, but this is one process; launch them: "
+                f"torchrun --nproc_per_node {wanted} -m memfit train … (or accelerate launch "
+                f"--num_processes {wanted} -m memfit train …)"
+            )
+        else:
+            problems.append(
+                f"--world-size: {wanted} ranks asked for, but {launched} were launched; make them "
+                "agree (or leave --world-size out)"
+            )
+    if cfg.sharding not in SHARDINGS:
+        problems.append(
+            f"--sharding: unknown value {cfg.sharding!r}; one of {', '.join(SHARDINGS)}"
+        )
+    elif cfg.sharding in DEEPSPEED_SHARDINGS:
+        on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+        if on_cpu:
+            problems.append(
+                f"--sharding: {cfg.sharding} is DeepSpeed ZeRO, which memfit runs on CUDA GPUs "
+                "only; on the CPU use --sharding fsdp (PyTorch FSDP2: parameters, gradients and "
+                "optimizer state sharded, as ZeRO-3) or --sharding none"
+            )
+        else:
+            problems.append(
+                f"--sharding: {cfg.sharding} (DeepSpeed ZeRO) is estimated and planned by memfit "
+                "but not yet run by memfit train, whose guard cannot yet agree an OOM inside "
+                "DeepSpeed's hooks; use --sharding fsdp (the same sharding as ZeRO-3, with an "
+                "OOM-safe guard) or --sharding none"
+            )
+    if launched > 1 and cfg.task == "sentence-embedding":
+        problems.append(
+            "--task: sentence-embedding on several ranks is not built yet: each rank's in-batch "
+            "negatives would be only its share of the batch, so the loss would change with the "
+            "number of ranks; run it as one process (the cached loss, --loss cached-mnrl, fits "
+            "any batch into memory)"
+        )
+    if cfg.sharding == "fsdp" and cfg.task == "sentence-embedding":
+        problems.append(
+            "--sharding: fsdp is built for classification and causal-lm; sentence-embedding runs "
+            "with --sharding none"
+        )
+    if cfg.sharding == "fsdp" and cfg.lora_rank:
+        problems.append("--sharding: fsdp with --lora-rank is not supported; use --sharding none")
+    return problems
+
+
 # --- the run ----------------------------------------------------------------------------------------
 class _Log:
     """Append-only JSON Lines files, flushed line by line (a killed run keeps what it logged)."""
@@ -230,6 +301,16 @@ class _Log:
 
     def close(self) -> None:
         self._handle.close()
+
+
+class _NoLog:
+    """Where a rank other than 0 writes the metrics: nowhere (rank 0 logs the whole step)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -311,17 +392,44 @@ def _resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@contextlib.contextmanager
+def _main_first(ranks: Any) -> Any:
+    """Rank 0 runs the block first (it writes caches), the other ranks after it (they read them)."""
+    if ranks is None:
+        yield
+        return
+    if not ranks.is_main:
+        ranks.barrier()
+    yield
+    if ranks.is_main:
+        ranks.barrier()
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
 def _plan_knobs(
-    cfg: TrainConfig, device: torch.device, *, longest: int | None = None
+    cfg: TrainConfig,
+    device: torch.device,
+    *,
+    longest: int | None = None,
+    world: int = 1,
+    free_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Fill the knobs the user left open: a memfit plan for the GPU (or --gpu-memory), at the
-    data's longest sample (``longest`` tokens, already truncated to --max-seq-len)."""
+    data's longest sample (``longest`` tokens, already truncated to --max-seq-len); with several
+    ranks, per rank (``free_bytes``: the smallest free memory of their GPUs)."""
     if cfg.micro_batch_size is not None:
         return {"source": "given"}
     budget = cfg.gpu_memory
-    if budget is None and device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free)
+    if budget is None and free_bytes is not None:
+        budget = free_bytes
+    elif budget is None and device.type == "cuda":
+        budget = _free_memory(device)
     if budget is None:
         # the CPU without a budget: no plan; the guard backs off if the machine runs short
         return {"source": "default (no GPU and no --gpu-memory: the whole batch, guarded)"}
@@ -331,13 +439,25 @@ def _plan_knobs(
     if longest:
         # a multiple of 8 (aligned shapes), never past the length the rows were cut to
         seq_len = min(-(-longest // 8) * 8, max(seq_len, longest))
+    plan_options: dict[str, Any] = {}
+    if world > 1:
+        plan_options["world_size"] = world
+    if cfg.sharding != "none":
+        plan_options["sharding"] = cfg.sharding
+    if cfg.lora_rank:
+        # a LoRA run holds no base gradients or optimizer state: let the plan count adapters
+        # where full fine-tuning would not fit (it prefers full fine-tuning's knobs otherwise,
+        # which only err on the safe side)
+        plan_options["allow"] = ("lora",)
     try:
         result = plan(
             cfg.model,
             task=cfg.task,
             seq_len=seq_len,
-            effective_batch_size=cfg.effective_batch_size,
+            # the plan splits its effective batch evenly over the ranks: the nearest multiple
+            effective_batch_size=max(world, cfg.effective_batch_size // world * world),
             gpu_memory=budget,
+            **plan_options,
             loss=cfg.loss if cfg.task == "sentence-embedding" else None,
             precision=cfg.precision if device.type == "cuda" else "fp32",
             optimizer=cfg.optimizer,
@@ -364,6 +484,8 @@ class _PeakMemory:
     page tables)."""
 
     PHASES = ("forward", "backward", "optimizer")
+    # the extra keys of record(), in a fixed order (several ranks gather them as one vector)
+    RECORD_KEYS = (*(f"{name}_peak_bytes" for name in PHASES), "reserved_bytes")
 
     def __init__(self, device: torch.device, cap: Any) -> None:
         self.device, self.cap = device, cap
@@ -520,23 +642,27 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _save_folder(recipe: Any, folder: Path) -> None:
+def _save_folder(
+    recipe: Any,
+    folder: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    *,
+    merge_lora: bool = False,
+) -> None:
     """The recipe's saved model, written beside and renamed into place.
 
-    A LoRA model is saved merged (a copy: training goes on with the adapters), so the folder
-    loads with the plain ``AutoModelFor…`` classes.
+    A LoRA model is saved as a peft adapter folder, or with ``merge_lora`` merged (from a copy:
+    training goes on with the adapters) into a plain folder (``memfit.train.lora.save_lora``).
+    ``state_dict``: the whole model's weights gathered from FSDP shards.
     """
+    from memfit.train.lora import is_lora, save_lora
+
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model = recipe.model
-    if hasattr(model, "merge_and_unload"):
-        import copy
-
-        recipe.model = copy.deepcopy(model).merge_and_unload()
-        try:
-            recipe.save(tmp)
-        finally:
-            recipe.model = model
+    if is_lora(recipe.model):
+        save_lora(recipe, tmp, merge=merge_lora)
+    elif state_dict is not None:
+        recipe.save(tmp, state_dict=state_dict)
     else:
         recipe.save(tmp)
     old = folder.with_name(f".old-{folder.name}-{os.getpid()}")
@@ -579,24 +705,59 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         raise UsageError(
             f"--precision: {cfg.precision} mixed precision needs a CUDA GPU; use fp32 on the CPU"
         )
+    ranks = None
+    from memfit.train.distributed import init_ranks, launched_world_size
+
+    if launched_world_size() > 1:
+        # torchrun / accelerate launch started several ranks: join them (gloo on the CPU, NCCL on
+        # GPUs); each rank then has its own GPU
+        ranks = init_ranks(device.type)
+        device = ranks.device
+    world = ranks.world_size if ranks is not None else 1
+    rank = ranks.rank if ranks is not None else 0
+    main = rank == 0
 
     # the model loads before anything is written: a model that cannot be had leaves no folder
     torch.manual_seed(cfg.seed)
     recipe.build(train_rows)
     if cfg.lora_rank:
-        from memfit.estimate.workload import StepSpec, _with_lora
+        from memfit.train.lora import add_lora
 
-        # the adapters the plan estimated: peft's default targets, alpha 2r, dropout 0.1
-        recipe.model = _with_lora(recipe.model, StepSpec(task=cfg.task, lora_rank=cfg.lora_rank))
+        # the adapters the estimator counts (its own function picks the targets), alpha 2r,
+        # dropout 0.1; a target name the model lacks is exit 2 here, before anything is written
+        add_lora(recipe, cfg)
     model = recipe.model
-    # tokenized once, cached in --cache-dir (a second run with the same data reads it back)
-    train_rows = recipe.prepare(train_rows)
-    if eval_rows is not None:
-        eval_rows = recipe.prepare(eval_rows)
+    if ranks is not None:
+        # a dropout stream per rank (the weights are made equal below, on the device)
+        torch.manual_seed(cfg.seed + rank)
+    # tokenized once, cached in --cache-dir (a second run with the same data reads it back);
+    # rank 0 writes the cache, the other ranks read it back
+    with _main_first(ranks):
+        train_rows = recipe.prepare(train_rows)
+        if eval_rows is not None:
+            eval_rows = recipe.prepare(eval_rows)
     lengths = all_lengths(train_rows, recipe.lengths)
 
-    # planned for the data's longest sample (before the model takes any GPU memory)
-    planned = _plan_knobs(cfg, device, longest=max(lengths) if lengths else None)
+    # planned for the data's longest sample (before the model takes any GPU memory); with
+    # several ranks rank 0 plans for the smallest free memory and every rank takes its plan
+    if ranks is None:
+        planned = _plan_knobs(cfg, device, longest=max(lengths) if lengths else None)
+    else:
+        free = _free_memory(device)
+        smallest = (
+            ranks.least(free if free is not None else -1)[0] if device.type == "cuda" else None
+        )
+        planned = ranks.broadcast_object(
+            _plan_knobs(
+                cfg,
+                device,
+                longest=max(lengths) if lengths else None,
+                world=world,
+                free_bytes=smallest if smallest and smallest > 0 else None,
+            )
+            if main
+            else None
+        )
     chosen = planned.get("plan", {})
     per_step = cfg.effective_batch_size
     micro = int(cfg.micro_batch_size or chosen.get("micro_batch_size") or per_step)
@@ -621,29 +782,44 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         else chosen.get("gradient_checkpointing", False)
     )
     recipe.to(device)
+    if ranks is not None:
+        # rank 0's weights everywhere (a fresh classifier head is random), over the device's own
+        # backend (NCCL moves GPU tensors, gloo CPU ones)
+        ranks.broadcast_parameters(model)
 
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if cfg.skip_bad_rows:
-        write_skipped(out / "skipped_rows.jsonl", skipped)
-        if skipped and not cfg.quiet:
-            _say(
-                f"memfit: skipped {len(skipped)} bad row(s); each is listed in "
-                f"{out / 'skipped_rows.jsonl'}"
-            )
     ckpt_dir = out / "checkpoints"
     from memfit.train import checkpoint as ck
 
-    ck.clean_temporaries(ckpt_dir)
     resume_from = None
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.skip_bad_rows:
+            write_skipped(out / "skipped_rows.jsonl", skipped)
+            if skipped and not cfg.quiet:
+                _say(
+                    f"memfit: skipped {len(skipped)} bad row(s); each is listed in "
+                    f"{out / 'skipped_rows.jsonl'}"
+                )
+        ck.clean_temporaries(ckpt_dir)
     if cfg.resume:
         steps = ck.completed_steps(ckpt_dir)
         resume_from = ckpt_dir / f"step-{steps[-1]}" if steps else None
-        # the killed run's lines after its checkpoint are redone: drop them before appending
-        _truncate_metrics(out / "metrics.jsonl", steps[-1] if steps else 0)
+        if main:
+            # the killed run's lines after its checkpoint are redone: drop them before appending
+            _truncate_metrics(out / "metrics.jsonl", steps[-1] if steps else 0)
+    if ranks is not None:
+        # the folder exists (and the resumed metrics are cut) before any rank writes to it
+        ranks.barrier()
     if checkpointing:
         _enable_checkpointing(model)
     model.train()
+    sharded = None
+    if cfg.sharding == "fsdp":
+        from memfit.train.fsdp import shard_model
+
+        # FSDP2 per transformer block, then the root; the optimizer is built on the shards
+        sharded = shard_model(model, ranks, precision=precision, device=device)
     optimizer = _optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
     rows_n = len(train_rows)
     steps_per_epoch = math.ceil(rows_n / per_step)
@@ -660,14 +836,32 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     autocast = _autocast(device, precision)
     params = [p for p in model.parameters() if p.requires_grad]
 
-    metrics = _Log(out / "metrics.jsonl")
-    events = _Log(out / "events.jsonl")
+    # one metrics line per step, from rank 0; every rank appends its own events (with its rank)
+    metrics: Any = _Log(out / "metrics.jsonl") if main else _NoLog()
+    events: Any = _Log(out / "events.jsonl")
+    if main:
+        from memfit.train.loggers import open_reporters
+
+        # --report-to: the same lines to TensorBoard / W&B too (rank 0: the whole step's figures)
+        metrics, events = open_reporters(
+            cfg.report_to, out, dataclasses.asdict(cfg), metrics, events
+        )
+    tag = {"rank": rank} if ranks is not None else {}
 
     def on_event(event: dict[str, Any]) -> None:
-        events.write({"time": round(time.time(), 3), **event})
-        if event["type"] in ("oom", "backoff", "grow") and not cfg.quiet:
-            _say(f"memfit guard: {_describe(event)}")
+        events.write({"time": round(time.time(), 3), **tag, **event})
+        if (
+            event["type"] in ("oom", "backoff", "grow")
+            and not cfg.quiet
+            and (main or event["type"] == "oom")
+        ):
+            _say(f"memfit guard: {'' if main else f'rank {rank}: '}{_describe(event)}")
 
+    if ranks is not None:
+        # what the sync points write into: allocated now, before any memory cap
+        ranks.prepare(params)
+        if sharded is not None:
+            ranks.reduces_in_backward = True
     guard = Guard(
         micro,
         target_micro_batch_size=micro,
@@ -675,6 +869,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         on_event=on_event,
         device=device,
         max_tokens=max_tokens,
+        ranks=ranks,
+        pad_pass=sharded.pad_pass(recipe, _take(train_rows, [0])) if sharded is not None else None,
+        on_recover=sharded.reset if sharded is not None else None,
     )
     step, epoch, position, samples_seen = 0, 0, 0, 0
     best: float | None = None
@@ -687,6 +884,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             scheduler=scheduler,
             scaler=scaler,
             device=device,
+            rank=rank,
+            world_size=world,
+            sharded=sharded,
         )
         step, epoch, position = state["step"], state["epoch"], state["position"]
         samples_seen, best = state["samples_seen"], state.get("best")
@@ -724,11 +924,15 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             "max_tokens_per_micro_batch": max_tokens,
             "pad_to_multiple_of": recipe.pad_multiple,
             "group_by_length": cfg.group_by_length,
+            "world_size": world,
+            "sharding": cfg.sharding,
+            "backend": ranks.backend if ranks is not None else None,
         },
         "plan": planned,
         "versions": _versions(),
     }
-    (out / "run.json").write_text(json.dumps(run_json, indent=2), encoding="utf-8")
+    if main:
+        (out / "run.json").write_text(json.dumps(run_json, indent=2), encoding="utf-8")
 
     def permutation(ep: int) -> list[int]:
         # a pure function of (seed, epoch): a resumed run recomputes it and goes on at position
@@ -755,15 +959,25 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             scaler=scaler,
             state=state,
             keep=cfg.save_total_limit,
+            ranks=ranks,
+            sharded=sharded,
         )
-        on_event({"type": "checkpoint", "step": step, "path": str(path), "reason": reason})
+        if main:
+            on_event({"type": "checkpoint", "step": step, "path": str(path), "reason": reason})
+
+    # each rank evaluates every world-th eval row; the metrics are reduced over all of them
+    local_eval = (
+        _take(eval_rows, range(rank, len(eval_rows), world))
+        if eval_rows is not None and ranks is not None
+        else eval_rows
+    )
 
     def evaluate() -> dict[str, float]:
         nonlocal best
-        assert eval_rows is not None
+        assert local_eval is not None
         model.eval()
         try:
-            result = guard.evaluate(eval_rows, recipe, autocast=autocast)
+            result = guard.evaluate(local_eval, recipe, autocast=autocast)
         finally:
             model.train()
         record = {
@@ -772,19 +986,30 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             **{f"eval_{k}": v for k, v in result.items()},
         }
         metrics.write(record)
-        on_event({"type": "eval", "step": step, **{f"eval_{k}": v for k, v in result.items()}})
+        if main:
+            on_event({"type": "eval", "step": step, **{f"eval_{k}": v for k, v in result.items()}})
         value = result.get(recipe.metric)
         if value is not None and (
             best is None or (value > best if recipe.greater_is_better else value < best)
         ):
             best = value
-            _save_folder(recipe, out / "best")
+            save_model(out / "best")
         return result
 
+    def save_model(folder: Path) -> None:
+        """The model folder (rank 0 writes it; under FSDP every rank gathers the weights)."""
+        weights = sharded.full_state_dict() if sharded is not None else None
+        if main:
+            _save_folder(recipe, folder, state_dict=weights, merge_lora=cfg.merge_lora)
+
     def guarded_step(rows: list[Row], number: int) -> float:
-        """One step's forward and backward under the guard; after micro-batch 1 fails, the next
-        cure (gradient checkpointing), else stop with a checkpoint (exit 3)."""
+        """One step's forward and backward under the guard (this rank's share of ``rows``); after
+        micro-batch 1 fails, the next cure (gradient checkpointing), else stop with a checkpoint
+        (exit 3). Returns the step's loss (this rank's part of it with several ranks)."""
         nonlocal checkpointing
+        total_units = recipe.units(rows) if recipe.splittable else len(rows)
+        if ranks is not None:
+            rows = shard_rows(rows, recipe.lengths(rows) if rows else None, rank, world)
         while True:
             try:
                 return guard.step(
@@ -794,8 +1019,10 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                     autocast=autocast,
                     scale=(scaler.scale if scaler is not None else _identity),
                     step=number,
+                    total_units=total_units,
                 )
             except StepTooLarge as exc:
+                # every rank gets here together (the guard agreed on it) and decides alike
                 cure = _next_cure(model, checkpointing)
                 if cure is None:
                     save("nothing fits")
@@ -822,11 +1049,13 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     def update(number: int, *, probe: bool = False) -> float | None:
         """Clip the whole step's gradient and step the optimizer; the returned gradient norm is
         None without clipping. No micro-batch changes what this phase holds (weights, gradients,
-        optimizer state), so an OOM here is the end: exit 3 with what would help."""
+        optimizer state), so an OOM here is the end: exit 3 with what would help (on every rank:
+        they agree on it)."""
+        error: str | None = None
+        grad_norm = None
         try:
             if scaler is not None and not probe:
                 scaler.unscale_(optimizer)
-            grad_norm = None
             if cfg.max_grad_norm:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             if scaler is not None and not probe:
@@ -834,17 +1063,22 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 scaler.update()
             else:
                 optimizer.step()
-            return grad_norm
         except Exception as exc:
             if not is_oom(exc):
                 raise
             error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if ranks is not None and ranks.anyone(error is not None) and error is None:
+            error = "another rank ran out of memory in its optimizer step"
+        if error is None:
+            return grad_norm
         on_event({"type": "oom", "step": number, "phase": "optimizer", "error": error})
         on_event({"type": "stop", "step": step, "reason": "the optimizer step does not fit"})
         raise NothingFitsError(
             f"step {number}: the optimizer step runs out of memory ({error}). It holds the "
             "weights, their gradients and the optimizer state whatever the micro-batch: try "
-            "--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, or more memory"
+            "--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, "
+            + ("--sharding fsdp, " if ranks is not None and sharded is None else "")
+            + "or more memory"
         )
 
     def probe() -> None:
@@ -911,6 +1145,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         cap = stack.enter_context(memory_cap(cfg.memory_cap, device))
         if cap is not None:
             cap.track(model, optimizer)
+            if ranks is not None:
+                # written in place at every sync point: held already, never a new allocation
+                cap.track(*ranks.buffers())
         peak = _PeakMemory(device, cap)
         guard.on_phase = peak.phase
         if cfg.memory_snapshot and device.type == "cuda":
@@ -920,12 +1157,13 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             probe()
             snapshot = None
         perm = permutation(epoch)
-        progress = _Progress(total_steps, step, quiet=cfg.quiet)
+        progress = _Progress(total_steps, step, quiet=cfg.quiet or not main)
         while step < total_steps:
             if position >= rows_n:
                 epoch, position = epoch + 1, 0
                 perm = permutation(epoch)
             indices = perm[position : position + per_step]
+            # the whole step's rows on every rank; guarded_step keeps this rank's share
             rows = _take(train_rows, indices)
             peak.reset()
             t0 = time.perf_counter()
@@ -938,6 +1176,35 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             step += 1
             position += len(rows)
             samples_seen += len(rows)
+            step_peak = peak.read()
+            phase_peaks = peak.record()
+            tokens = guard.last_step.get("tokens") if recipe.splittable else None
+            padded = guard.last_step.get("padded_tokens") if recipe.splittable else None
+            rank_peaks: list[int | None] | None = None
+            if ranks is not None:
+                # the step's loss and tokens are sums over the ranks, its peak their largest
+                keys = ["loss", "tokens", "padded", "peak", *_PeakMemory.RECORD_KEYS]
+                local = [
+                    loss_value,
+                    tokens,
+                    padded,
+                    step_peak,
+                    *(phase_peaks.get(k) for k in keys[4:]),
+                ]
+                gathered = ranks.gather_floats(local)
+                columns = list(zip(*gathered, strict=True))
+                loss_value = _sum_or_none(columns[0])
+                tokens, padded = (
+                    _int_or_none(_sum_or_none(columns[1])),
+                    _int_or_none(_sum_or_none(columns[2])),
+                )
+                rank_peaks = [_int_or_none(x) for x in columns[3]]
+                step_peak = _int_or_none(_max_or_none(columns[3]))
+                phase_peaks = {
+                    key: int(value)
+                    for key, column in zip(keys[4:], columns[4:], strict=True)
+                    if (value := _max_or_none(column)) is not None
+                }
             seconds = time.perf_counter() - t0
             record = {
                 "step": step,
@@ -949,17 +1216,18 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 if recipe.splittable
                 else 1,
                 "max_tokens_per_micro_batch": guard.max_tokens,
-                "tokens": guard.last_step.get("tokens") if recipe.splittable else None,
-                "padded_tokens": guard.last_step.get("padded_tokens")
-                if recipe.splittable
-                else None,
-                "peak_bytes": peak.read(),
-                **peak.record(),
+                "tokens": tokens,
+                "padded_tokens": padded,
+                "peak_bytes": step_peak,
+                **phase_peaks,
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "seconds": round(seconds, 4),
                 "samples_per_second": round(len(rows) / seconds, 2) if seconds > 0 else None,
             }
+            if ranks is not None:
+                record["world_size"] = world
+                record["rank_peak_bytes"] = rank_peaks
             metrics.write(record)
             progress.update(record)
             if (
@@ -971,29 +1239,54 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 last_eval = evaluate()
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
                 save("every")
-            if stop.signal is not None:
-                save(f"signal {stop.signal}")
-                on_event({"type": "stop", "step": step, "reason": f"signal {stop.signal}"})
+            # a signal reaches every rank (the launcher forwards it), but maybe not between
+            # the same two steps: the ranks agree to stop after the same one
+            signalled = stop.signal is not None
+            if ranks is not None:
+                signalled = ranks.anyone(signalled)
+            if signalled:
+                reason = f"signal {stop.signal}" if stop.signal is not None else "signal"
+                save(reason)
+                on_event({"type": "stop", "step": step, "reason": reason})
                 stopped = "signal"
                 break
         progress.close()
         if stopped == "done":
             if eval_rows is not None:
                 last_eval = evaluate()
-            _save_folder(recipe, out / "model")
+            save_model(out / "model")
             if cfg.save_every:
                 save("end")
-            on_event(
-                {
-                    "type": "stop",
-                    "step": step,
-                    "reason": "done",
-                    "seconds": round(time.perf_counter() - started, 2),
-                }
-            )
+            if main:
+                on_event(
+                    {
+                        "type": "stop",
+                        "step": step,
+                        "reason": "done",
+                        "seconds": round(time.perf_counter() - started, 2),
+                    }
+                )
     metrics.close()
     events.close()
+    if ranks is not None:
+        # every rank is done writing before any leaves (rank 0's model folder included)
+        ranks.barrier()
+        ranks.close()
     return TrainResult(out, step, samples_seen, loss_value, last_eval, stopped)
+
+
+def _sum_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _max_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

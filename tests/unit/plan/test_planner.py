@@ -30,7 +30,11 @@ def _reestimate(model: str, task: str, seq_len: int, p) -> int:
         lora_rank=s["lora_rank"],
         max_seq_len=s["max_seq_len"] if s["max_seq_len"] < seq_len else None,
         world_size=s["world_size"],
+        sharding=s["sharding"],
         gpu=p.gpu,
+        gradient_accumulation_steps=s["gradient_accumulation_steps"]
+        if task != "sentence-embedding"
+        else 1,
     ).total_bytes
 
 
@@ -193,6 +197,7 @@ def test_levers_only_when_allowed(tiny_gpt2: str) -> None:
         ({"gpu": "gtx-potato"}, "--gpu"),
         ({"gpu": "t4", "precision": "bf16"}, "bf16"),
         ({"gpu_memory": "16GiB", "world_size": 3}, "--world-size"),
+        ({"gpu_memory": "16GiB", "sharding": "zero4"}, "--sharding: unknown value 'zero4'"),
     ],
 )
 def test_bad_input_is_one_clear_error(tiny_bert: str, kwargs: dict, message: str) -> None:
@@ -210,3 +215,63 @@ def test_no_gpu_and_no_budget_says_which_flag() -> None:
         pytest.skip("this machine has a GPU: its free memory is the budget")
     with pytest.raises(UsageError, match="--gpu-memory"):
         plan("bert-base-uncased", task="classification", seq_len=64, effective_batch_size=8)
+
+
+def test_sharded_plan_is_per_rank_and_says_its_scheme(tiny_bert: str) -> None:
+    job = {"task": "classification", "seq_len": 128, "effective_batch_size": 32}
+    whole = estimate(
+        tiny_bert,
+        task="classification",
+        batch_size=16,
+        seq_len=128,
+        world_size=2,
+        sharding="fsdp",
+    ).total_bytes
+    p = plan(tiny_bert, gpu_memory=int(whole * 1.2), world_size=2, sharding="fsdp", **job)
+    d = p.to_dict()
+    s = d["plan"]
+    assert d["fits"] and s["sharding"] == "fsdp" and s["world_size"] == 2
+    assert d["sharding"] == "fsdp" and d["world_size"] == 2 and d["scale_out"] == []
+    # micro-batch × accumulation × GPUs = the effective batch; the peak is one rank's
+    assert s["micro_batch_size"] * s["gradient_accumulation_steps"] * 2 == 32
+    assert d["predicted_peak_bytes"] == _reestimate(tiny_bert, "classification", 128, p)
+    command = p.estimate_command()
+    assert command is not None and "--world-size 2 --sharding fsdp" in command
+    assert any("--sharding fsdp over 2 GPUs" in line for line in p.explanation)
+    # the same job unsharded: a different per-rank peak for the same knobs
+    plain = plan(tiny_bert, gpu_memory=int(whole * 1.2), world_size=2, **job)
+    assert plain.plan is not None and plain.plan["sharding"] == "none"
+
+
+def test_nothing_fits_prices_scaling_out() -> None:
+    # bert-base at 2 GiB: one GPU needs ~3 GiB even at micro-batch 1 with checkpointing; more
+    # GPUs help only when they shard the model states
+    job = {"task": "classification", "seq_len": 128, "effective_batch_size": 16}
+    p = plan("bert-base-uncased", gpu_memory="2GiB", **job)
+    d = p.to_dict()
+    assert d["fits"] is False and d["plan"] is None
+    rows = d["scale_out"]
+    assert {r["world_size"] for r in rows} == {2, 4, 8}
+    assert {r["sharding"] for r in rows} == {"none", "zero1", "zero2", "zero3", "fsdp"}
+    by = {(r["world_size"], r["sharding"]): r for r in rows}
+    for world in (2, 4, 8):
+        # plain data parallelism holds the whole model states on every GPU: no help
+        assert by[(world, "none")]["predicted_peak_bytes"] >= d["min_required_bytes"]
+        assert not by[(world, "none")]["fits"]
+    for scheme in ("zero2", "zero3", "fsdp"):
+        peaks = [by[(w, scheme)]["predicted_peak_bytes"] for w in (2, 4, 8)]
+        assert peaks == sorted(peaks, reverse=True) and peaks[-1] < d["min_required_bytes"]
+    for r in rows:
+        assert r["fits"] == (r["predicted_peak_bytes"] <= 2 * GiB * 0.95)
+    # the fewest GPUs that fit, with the least harmful scheme, as a command to run
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting
+    world = min(r["world_size"] for r in fitting)
+    line = next(x for x in d["suggestions"] if x.startswith("Fewest GPUs that fit"))
+    assert "memfit plan bert-base-uncased" in line and f"--world-size {world}" in line
+    assert not any("plain data parallelism do not lower" in x for x in d["suggestions"])
+    scheme = line.split("--sharding ")[-1].split()[0]
+    # ...and that plan fits, at the memory the suggestion priced for its least configuration
+    again = plan("bert-base-uncased", gpu_memory="2GiB", world_size=world, sharding=scheme, **job)
+    assert again.fits and again.plan is not None and again.plan["sharding"] == scheme
+    assert again.min_required_bytes == by[(world, scheme)]["predicted_peak_bytes"]

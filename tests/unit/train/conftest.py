@@ -39,15 +39,6 @@ WORDS = [
     "guide",
 ]
 
-SENTENCES = [
-    "the cat sat on the mat",
-    "the dog ran in the park",
-    "a good movie with great acting",
-    "an awful film with a bad plot",
-    "how do i reset my password",
-    "steps to update your phone",
-]
-
 
 @pytest.fixture(scope="session")
 def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -69,42 +60,6 @@ def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         attention_probs_dropout_prob=0.0,
     )
     BertModel(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="session")
-def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A 2-layer GPT-2 (random weights, dropout off) with a byte-level BPE trained in memory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-
-    folder = tmp_path_factory.mktemp("gpt2")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator(SENTENCES * 3, trainer=trainer)
-    tokenizer = GPT2TokenizerFast(
-        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
-    )
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return str(folder)
 

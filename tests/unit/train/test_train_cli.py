@@ -28,7 +28,10 @@ def _train(tmp_path: Path, *extra: str) -> tuple[int, Path]:
         (["--lr-scheduler", "step"], "--lr-scheduler: unknown value 'step'"),
         (["--effective-batch-size", "0"], "--effective-batch-size: must be ≥ 1"),
         (["--eval-file", "missing.csv"], "--eval-file: missing.csv: no such file"),
-        (["--world-size", "2"], "--world-size"),
+        (["--world-size", "2"], "--world-size: 2 ranks asked for, but this is one process"),
+        (["--sharding", "zero4"], "--sharding: unknown value 'zero4'"),
+        (["--sharding", "zero3", "--device", "cpu"], "--sharding: zero3 is DeepSpeed ZeRO"),
+        (["--sharding", "zero1"], "--sharding: zero1"),
     ],
 )
 def test_bad_flags_exit_2_before_anything_is_written(

@@ -111,5 +111,6 @@ class Recipe(abc.ABC):
         """The eval metrics from all chunks' partials (keys without the ``eval_`` prefix)."""
 
     @abc.abstractmethod
-    def save(self, folder: Path) -> None:
-        """A folder that loads as it is (Auto* classes, or SentenceTransformer)."""
+    def save(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """A folder that loads as it is (Auto* classes, or SentenceTransformer); ``state_dict``:
+        the weights to write instead of the model's own (gathered from FSDP shards)."""

@@ -227,8 +227,8 @@ class CausalLMRecipe(Recipe):
         loss = sum(part[0] for part in partials) / max(tokens, 1)
         return {"loss": loss, "perplexity": perplexity(loss)}
 
-    def save(self, folder: Path) -> None:
-        self.model.save_pretrained(folder, safe_serialization=True)
+    def save(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
 
 

@@ -265,6 +265,6 @@ class ClassificationRecipe(Recipe):
             "macro_f1": macro_f1(predictions, labels),
         }
 
-    def save(self, folder: Path) -> None:
-        self.model.save_pretrained(folder, safe_serialization=True)
+    def save(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)

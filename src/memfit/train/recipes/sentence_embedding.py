@@ -190,5 +190,7 @@ class SentenceEmbeddingRecipe(Recipe):
         positives = torch.cat([part[1] for part in partials])
         return {"retrieval_accuracy": retrieval_accuracy(anchors, positives)}
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        if state_dict is not None:
+            raise ValueError("a sentence-transformers folder is saved from the model itself")
         self.model.save(str(folder))

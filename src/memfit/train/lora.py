@@ -1,0 +1,170 @@
+"""LoRA in ``memfit train``: the adapters the estimator counts, saved as a peft adapter folder.
+
+Which modules get adapters is decided in one place, :func:`memfit.estimate.workload.lora_config`
+(a table per architecture, ``--lora-target-modules`` to override), so ``memfit estimate
+--lora-rank``, the planner's ``lora`` lever and the training run describe the same adapters.
+
+``DIR/model`` (and ``DIR/best``) is a peft adapter folder by default: ``adapter_config.json`` and
+``adapter_model.safetensors`` (the adapters, plus a classifier's head, which starts random and is
+trained whole) beside the tokenizer. It loads with ``peft.AutoPeftModelFor…`` or
+``PeftModel.from_pretrained(base, folder)``; a sentence-transformers folder loads with
+``SentenceTransformer(folder)``. ``--merge-lora`` saves the merged model instead: a plain folder
+that loads without peft (and that ``memfit predict`` reads).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from memfit.errors import UsageError
+
+
+def parse_target_modules(value: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """``--lora-target-modules a,b`` (or a list from a config file) as a list; None: default."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [str(x) for x in value]
+    names = [x.strip() for x in items if x.strip()]
+    return names or None
+
+
+def lora_problems(cfg: Any) -> list[str]:
+    """What is wrong with the LoRA flags, before anything is loaded."""
+    problems: list[str] = []
+    if cfg.lora_rank is not None and (
+        isinstance(cfg.lora_rank, bool) or not isinstance(cfg.lora_rank, int) or cfg.lora_rank < 0
+    ):
+        problems.append(f"--lora-rank: must be a whole number ≥ 0, got {cfg.lora_rank!r}")
+    elif not cfg.lora_rank:
+        if cfg.lora_target_modules:
+            problems.append("--lora-target-modules: only with --lora-rank R (LoRA adapters)")
+        if cfg.merge_lora:
+            problems.append("--merge-lora: only with --lora-rank R (LoRA adapters)")
+    return problems
+
+
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    with warnings.catch_warnings():
+        # peft asks transformers' deprecated is_gradient_checkpointing
+        warnings.simplefilter("ignore", FutureWarning)
+        # peft switches fan_in_fan_out on by itself for GPT-2's Conv1D, and says so
+        warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
+        yield
+
+
+def add_lora(recipe: Any, cfg: Any) -> None:
+    """Put LoRA adapters of rank ``cfg.lora_rank`` on the recipe's model (before it moves to its
+    device): the base is frozen, only the adapters (and a classifier's head) train."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UsageError("--lora-rank: LoRA needs peft (pip install 'memfit[all]')") from None
+    from memfit.estimate.workload import StepSpec, _with_lora, lora_config
+
+    targets = tuple(cfg.lora_target_modules or ())
+    with _quiet_peft():
+        if cfg.task == "sentence-embedding":
+            # sentence-transformers' own peft integration: the adapters go into its transformer
+            # in place, and SentenceTransformer(folder) loads the saved adapter folder back
+            model = recipe.model
+            inner = _sentence_transformer_backbone(model)
+            config = lora_config(inner, "sentence-embedding", cfg.lora_rank, targets)
+            config.task_type = None  # the transformers integration takes the bare LoRA config
+            model.add_adapter(config)
+            peft_config: Any = inner.peft_config
+        else:
+            # the estimator's own function: the same adapters it counts
+            recipe.model = _with_lora(
+                recipe.model,
+                StepSpec(task=cfg.task, lora_rank=cfg.lora_rank, lora_targets=targets),
+            )
+            peft_config = recipe.model.peft_config
+    base = Path(str(cfg.model)).expanduser()
+    if base.is_dir():
+        # peft writes the base model's path into adapter_config.json as it was given; a relative
+        # one would only load from the folder the run started in
+        for entry in peft_config.values():
+            entry.base_model_name_or_path = str(base.resolve())
+
+
+def _sentence_transformer_backbone(model: Any) -> nn.Module:
+    """The transformers model inside a SentenceTransformer, where its adapters go."""
+    if not hasattr(model, "add_adapter"):
+        raise UsageError(
+            "--lora-rank: LoRA on a sentence-transformers model needs sentence-transformers ≥ 3.3 "
+            "(its peft integration)"
+        )
+    inner = getattr(model, "transformers_model", None)
+    if inner is None:
+        first = model[0]
+        inner = getattr(first, "auto_model", None) or getattr(first, "model", None)
+    if not isinstance(inner, nn.Module):
+        raise UsageError(
+            "--lora-rank: this sentence-transformers model has no transformers backbone to adapt"
+        )
+    return inner
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def is_lora(model: Any) -> bool:
+    """Whether the model carries LoRA adapters (a PeftModel, or peft layers injected in place)."""
+    if hasattr(model, "merge_and_unload"):
+        return True
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return False
+    return isinstance(model, nn.Module) and any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def save_lora(recipe: Any, folder: Path, *, merge: bool) -> None:
+    """Write the LoRA model into ``folder``: the adapter folder (the model's own
+    ``save_pretrained``, which peft limits to the adapters and the head), or with ``merge`` the
+    merged model, from a copy (training goes on with the adapters)."""
+    if not merge:
+        with _quiet_peft():
+            recipe.save(folder)
+        return
+    model = recipe.model
+    with _quiet_peft():
+        if hasattr(model, "merge_and_unload"):
+            merged = copy.deepcopy(model).merge_and_unload()
+        else:
+            merged = copy.deepcopy(model)
+            _merge_injected(merged)
+    recipe.model = merged
+    try:
+        recipe.save(folder)
+    finally:
+        recipe.model = model
+
+
+def _merge_injected(model: nn.Module) -> None:
+    """Merge adapters that were injected in place (transformers' and sentence-transformers'
+    ``add_adapter``) and put the plain layers back, so the model saves as a full model."""
+    from peft.tuners.lora import LoraLayer
+
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, LoraLayer):
+            continue
+        module.merge()
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        setattr(parent, child, module.get_base_layer())
+    for sub in model.modules():
+        # transformers saves only the adapter while this flag is up
+        if getattr(sub, "_hf_peft_config_loaded", False):
+            sub._hf_peft_config_loaded = False  # type: ignore[assignment]
+            if hasattr(sub, "peft_config"):
+                del sub.peft_config
