@@ -88,6 +88,12 @@ def estimate_command(
     lora_rank: Annotated[
         int | None, typer.Option(help="Train LoRA adapters of this rank (peft) instead.")
     ] = None,
+    lora_target_modules: Annotated[
+        str | None,
+        typer.Option(
+            help="LoRA targets, comma-separated: attention, mlp, module names, all-linear."
+        ),
+    ] = None,
     max_seq_len: Annotated[
         int | None, typer.Option(help="Truncate sequences to this many tokens.")
     ] = None,
@@ -144,6 +150,7 @@ def estimate_command(
         loss=loss,
         mini_batch_size=mini_batch_size,
         lora_rank=lora_rank,
+        lora_target_modules=[x for x in (lora_target_modules or "").split(",") if x.strip()],
         max_seq_len=max_seq_len,
         world_size=world_size,
         sharding=sharding,
@@ -596,6 +603,9 @@ def train_command(
             "num_labels",
         ):
             loaded.pop(key, None)
+        if isinstance(loaded.get("lora_target_modules"), str):
+            # "attention,mlp" in the file, as on the command line
+            loaded["lora_target_modules"] = parse_target_modules(loaded["lora_target_modules"])
         settings.update(loaded)
     given: dict[str, Any] = {
         "task": task,

@@ -44,7 +44,9 @@ PLAN_KEYS = (
     "max_tokens_per_micro_batch",
 )
 RECORD_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes")
-KNOWN_KEYS = tuple(dict.fromkeys((*JOB_KEYS, *PLAN_KEYS, "lora_rank", *RECORD_KEYS)))
+# memfit train's LoRA and tracker settings, accepted in a config file as well as flags
+TRAIN_KEYS = ("lora_target_modules", "merge_lora", "report_to")
+KNOWN_KEYS = tuple(dict.fromkeys((*JOB_KEYS, *PLAN_KEYS, "lora_rank", *TRAIN_KEYS, *RECORD_KEYS)))
 REQUIRED_KEYS = ("model", "task", "seq_len", "micro_batch_size", "gradient_accumulation_steps")
 
 

@@ -7,7 +7,7 @@ import contextvars
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,7 @@ def validate(
     max_seq_len: Any = None,
     world_size: Any = 1,
     sharding: Any = "none",
+    lora_target_modules: Any = None,
 ) -> tuple[StepSpec, list[str]]:
     """Check every knob at once; return the spec and the list of problems (empty when fine)."""
     problems: list[str] = []
@@ -136,7 +137,10 @@ def validate(
         num_labels=num_labels if isinstance(num_labels, int) else 2,
         loss=resolved_loss,
         lora_rank=lora_rank if _whole(lora_rank, minimum=0) else 0,
+        lora_targets=tuple(str(x).strip() for x in lora_target_modules or () if str(x).strip()),
     )
+    if spec.lora_targets and not spec.lora_rank:
+        problems.append("--lora-target-modules: give --lora-rank too (no adapters without a rank)")
     return spec, problems
 
 
@@ -166,6 +170,7 @@ def estimate(
     gpu: str | None = None,
     gradient_accumulation_steps: int = 1,
     sharding: str = "none",
+    lora_target_modules: Sequence[str] | None = None,
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
@@ -181,6 +186,8 @@ def estimate(
     none is memfit's data parallelism, gradients all-reduced in place). ``gpu`` names a catalog
     GPU (see ``memfit plan --gpu``):
     its generation's cuBLAS workspace, and its memory as the budget unless ``gpu_memory`` is given.
+    ``lora_target_modules``: the adapters' targets as ``memfit train --lora-target-modules``
+    takes them (groups attention/mlp, module names, all-linear; default attention).
     ``gradient_accumulation_steps`` > 1: the micro-batches after the first run forward and
     backward while the gradients of the earlier ones are alive (and add theirs in place).
     """
@@ -202,6 +209,7 @@ def estimate(
         max_seq_len=max_seq_len,
         world_size=world_size,
         sharding=sharding,
+        lora_target_modules=lora_target_modules,
     )
     budget = None
     if gpu_memory is not None:

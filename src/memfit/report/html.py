@@ -157,6 +157,13 @@ def run_estimate(
         knobs["loss"] = config["loss"]
     if config.get("lora_rank"):
         knobs["lora_rank"] = int(config["lora_rank"])
+        if config.get("lora_target_modules"):
+            knobs["lora_target_modules"] = list(config["lora_target_modules"])
+    world = int(resolved.get("world_size") or 1)
+    if world > 1:
+        # the memory of one rank: sharded as the run was
+        knobs["world_size"] = world
+        knobs["sharding"] = str(resolved.get("sharding") or "none")
     described = f"micro-batch {batch} × {seq_len} tokens, {knobs['precision']}, on {device}"
     try:
         from memfit.estimate import estimate

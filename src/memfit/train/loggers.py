@@ -118,10 +118,12 @@ class _GuardCounts:
 class TensorBoardReporter:
     """``torch.utils.tensorboard.SummaryWriter`` into ``folder``."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(folder))
+        # purge_step: a resumed run redoes the steps after its checkpoint; TensorBoard hides what
+        # the killed run logged from that step on, as metrics.jsonl drops those lines
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
         self.guard = _GuardCounts()
 
     def log_metrics(self, record: dict[str, Any]) -> None:
@@ -208,7 +210,13 @@ def open_reporters(
     reporters: list[Reporter] = []
     for name in parse_report_to(report_to):
         if name == "tensorboard":
-            reporters.append(TensorBoardReporter(out / "tensorboard"))
+            purge = None
+            if config.get("resume"):
+                from memfit.train.checkpoint import completed_steps
+
+                steps = completed_steps(out / "checkpoints")
+                purge = (steps[-1] if steps else 0) + 1
+            reporters.append(TensorBoardReporter(out / "tensorboard", purge_step=purge))
         elif name == "wandb":
             reporters.append(WandbReporter(out, config))
     if not reporters:

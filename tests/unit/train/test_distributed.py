@@ -158,6 +158,9 @@ def _worker(rank: int, port: int, scenario: str, folder: str) -> None:
             result["micro"] = guard.micro_batch_size
             result["syncs"] = ranks.syncs
         torch.save(result, Path(folder) / f"rank{rank}.pt")
+        # both ranks done with every collective before either tears the group down (a peer
+        # destroyed mid-send aborts gloo)
+        dist.barrier()
     except BaseException:
         (Path(folder) / f"rank{rank}.error").write_text(traceback.format_exc())
         raise

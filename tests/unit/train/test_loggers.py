@@ -192,3 +192,31 @@ def test_real_wandb_offline(tmp_path: Path, bert_dir: str, monkeypatch: pytest.M
     )
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_tensorboard_after_resume_hides_the_redone_steps(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from memfit.train.loggers import open_reporters
+
+    class Log:
+        def write(self, record: dict[str, Any]) -> None: ...
+
+        def close(self) -> None: ...
+
+    # the killed run logged steps 1-3; its last checkpoint is step 2
+    metrics, _ = open_reporters("tensorboard", tmp_path, {"resume": False}, Log(), Log())
+    for step in (1, 2, 3):
+        metrics.write({"step": step, "loss": float(step)})
+    metrics.close()
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").write_text("{}")
+    metrics, _ = open_reporters("tensorboard", tmp_path, {"resume": True}, Log(), Log())
+    for step in (3, 4):
+        metrics.write({"step": step, "loss": 10.0 + step})
+    metrics.close()
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    losses = [(e.step, e.value) for e in accumulator.Scalars("train/loss")]
+    assert losses == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
