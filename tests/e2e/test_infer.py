@@ -172,6 +172,36 @@ def _assert_all_rows_in_order(records: list[dict[str, Any]]) -> None:
     assert [r["id"] for r in records] == [1000 + i for i in range(ROWS)]
 
 
+def _plain_and_capped(
+    command: str,
+    model: Path,
+    data: Path,
+    tmp_path: Path,
+    suffixes: tuple[str, str],
+    cap: int,
+    capped_model: Path | None = None,
+) -> tuple[Path, Path, Path]:
+    """The CLI run twice on the same rows: without a cap, and under ``cap`` (on ``capped_model``
+    when given) with its events written; returns the two outputs and the events file."""
+    plain, capped = tmp_path / f"plain{suffixes[0]}", tmp_path / f"capped{suffixes[1]}"
+    events = tmp_path / "ev.jsonl"
+    common = ["--file", str(data), "--device", "cpu"]
+    assert _cli(command, str(model), *common, "--output", str(plain)) == 0
+    extra = ["--memory-cap", str(cap), "--events", str(events)]
+    target = str(capped_model or model)
+    assert _cli(command, target, *common, "--output", str(capped), *extra) == 0
+    return plain, capped, events
+
+
+def _gap_to_alone(records: list[dict[str, Any]], reference: list[list[float]]) -> float:
+    """The largest difference between the records' probabilities and each row's run alone."""
+    return max(
+        abs(p - q)
+        for r, ref in zip(records, reference, strict=True)
+        for p, q in zip(r["probabilities"].values(), ref, strict=True)
+    )
+
+
 # --- predict: classification -----------------------------------------------------------------------
 def _classifier_reference(folder: Path, data: Path, pair: bool) -> list[list[float]]:
     """Each row's probabilities from the model run alone (no padding)."""
@@ -200,41 +230,9 @@ def test_predict_classification_capped_equals_uncapped(
         )
 
     cap = _cap_between(run)
-    plain, capped, events = (
-        tmp_path / "plain.jsonl",
-        tmp_path / "capped.jsonl",
-        tmp_path / "ev.jsonl",
-    )
-    assert (
-        _cli(
-            "predict",
-            str(models["classifier"]),
-            "--file",
-            str(data),
-            "--output",
-            str(plain),
-            "--device",
-            "cpu",
-        )
-        == 0
-    )
-    # MODEL_DIR as the run folder memfit train wrote: its model/ is used
-    assert (
-        _cli(
-            "predict",
-            str(models["run"]),
-            "--file",
-            str(data),
-            "--output",
-            str(capped),
-            "--device",
-            "cpu",
-            "--memory-cap",
-            str(cap),
-            "--events",
-            str(events),
-        )
-        == 0
+    # the capped run names the run folder memfit train wrote: its model/ is used
+    plain, capped, events = _plain_and_capped(
+        "predict", models["classifier"], data, tmp_path, (".jsonl", ".jsonl"), cap, models["run"]
     )
 
     _backed_off(events)
@@ -250,11 +248,7 @@ def test_predict_classification_capped_equals_uncapped(
     )
     assert diff <= TOLERANCE
     reference = _classifier_reference(models["classifier"], data, pair=False)
-    alone = max(
-        abs(p - q)
-        for r, ref in zip(b, reference, strict=True)
-        for p, q in zip(r["probabilities"].values(), ref, strict=True)
-    )
+    alone = _gap_to_alone(b, reference)
     assert alone <= TOLERANCE
 
 
@@ -272,11 +266,7 @@ def test_predict_sentence_pairs(models: dict[str, Path], data: Path, tmp_path: P
     records = _lines(out)
     _assert_all_rows_in_order(records)
     reference = _classifier_reference(models["classifier"], data, pair=True)
-    alone = max(
-        abs(p - q)
-        for r, ref in zip(records, reference, strict=True)
-        for p, q in zip(r["probabilities"].values(), ref, strict=True)
-    )
+    alone = _gap_to_alone(records, reference)
     assert alone <= TOLERANCE
 
 
@@ -301,11 +291,7 @@ def test_rows_stay_in_order_across_blocks(
     records = _lines(out)
     _assert_all_rows_in_order(records)
     reference = _classifier_reference(models["classifier"], data, pair=False)
-    alone = max(
-        abs(p - q)
-        for r, ref in zip(records, reference, strict=True)
-        for p, q in zip(r["probabilities"].values(), ref, strict=True)
-    )
+    alone = _gap_to_alone(records, reference)
     assert alone <= TOLERANCE
 
 
@@ -325,40 +311,8 @@ def test_predict_causal_lm_capped_equals_uncapped(
         )
 
     cap = _cap_between(run)
-    plain, capped, events = (
-        tmp_path / "plain.jsonl",
-        tmp_path / "capped.jsonl",
-        tmp_path / "ev.jsonl",
-    )
-    assert (
-        _cli(
-            "predict",
-            str(models["lm"]),
-            "--file",
-            str(data),
-            "--output",
-            str(plain),
-            "--device",
-            "cpu",
-        )
-        == 0
-    )
-    assert (
-        _cli(
-            "predict",
-            str(models["lm"]),
-            "--file",
-            str(data),
-            "--output",
-            str(capped),
-            "--device",
-            "cpu",
-            "--memory-cap",
-            str(cap),
-            "--events",
-            str(events),
-        )
-        == 0
+    plain, capped, events = _plain_and_capped(
+        "predict", models["lm"], data, tmp_path, (".jsonl", ".jsonl"), cap
     )
 
     _backed_off(events)
@@ -405,40 +359,8 @@ def test_embed_capped_equals_uncapped_and_encode(
         )
 
     cap = _cap_between(run)
-    plain, capped, events = (
-        tmp_path / "plain.npy",
-        tmp_path / "capped.parquet",
-        tmp_path / "ev.jsonl",
-    )
-    assert (
-        _cli(
-            "embed",
-            str(models["st"]),
-            "--file",
-            str(data),
-            "--output",
-            str(plain),
-            "--device",
-            "cpu",
-        )
-        == 0
-    )
-    assert (
-        _cli(
-            "embed",
-            str(models["st"]),
-            "--file",
-            str(data),
-            "--output",
-            str(capped),
-            "--device",
-            "cpu",
-            "--memory-cap",
-            str(cap),
-            "--events",
-            str(events),
-        )
-        == 0
+    plain, capped, events = _plain_and_capped(
+        "embed", models["st"], data, tmp_path, (".npy", ".parquet"), cap
     )
 
     _backed_off(events)
