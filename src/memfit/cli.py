@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -17,7 +18,7 @@ except ImportError:  # pragma: no cover - typer built on click
     from click.exceptions import ClickException as _ClickException  # type: ignore[assignment]
     from click.exceptions import NoArgsIsHelpError as _NoArgsIsHelp  # type: ignore[assignment,attr-defined]
 
-from memfit import __version__
+from memfit import __version__, progress
 from memfit.errors import MemfitError, UsageError
 
 app = typer.Typer(
@@ -28,6 +29,42 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+# memfit estimate/plan --trace-depth: the choices, the help and the default in one place
+TraceDepth = Annotated[
+    Literal["auto", "full"],
+    typer.Option(
+        help="auto: trace a few layers and extrapolate the repeating block exactly (falls back to "
+        "the whole model, and says so, where the model does not repeat); full: trace every layer."
+    ),
+]
+
+
+def _trace_depth_knob(trace_depth: str) -> dict[str, Any]:
+    """``trace_depth=`` for the estimate and plan API, left out at its default ("auto")."""
+    return {"trace_depth": trace_depth} if trace_depth != "auto" else {}
+
+
+def _trace_depth_line(details: dict[str, Any]) -> str | None:
+    """One line on how many layers the estimate traced (``details["trace_depth"]``), if it says."""
+    info = details.get("trace_depth")
+    if not isinstance(info, dict):
+        return None
+    depth = info.get("depth")
+    of = f" of {depth}" if depth is not None else ""
+    if info.get("mode") == "extrapolated":
+        # traced_depths: the depths of the shallow copies of the model that were traced
+        traced = [str(x) for x in info.get("traced_depths") or ()]
+        which = " and ".join([", ".join(traced[:-1]), traced[-1]] if len(traced) > 1 else traced)
+        period = info.get("period")
+        block = f", a block of {period} layers repeating" if period and period > 1 else ""
+        return f"traced {which or 'a few'}{of} layers, extrapolated exactly{block}"
+    if info.get("mode") == "full":
+        reason = info.get("reason")
+        layers = f"all {depth} layers" if depth is not None else "every layer"
+        return f"traced {layers}" + (f": {reason}" if reason else "")
+    return f"trace depth: {info.get('mode')}{of}" if info.get("mode") else None
 
 
 def _version(value: bool) -> None:
@@ -121,10 +158,9 @@ def estimate_command(
         str | None,
         typer.Option(help="Also draw the breakdown as a picture: FILE.png (or .svg, .pdf)."),
     ] = None,
+    trace_depth: TraceDepth = "auto",
 ) -> None:
     """Predict the peak memory of one steady-state training (or eval) step, offline."""
-    from memfit.estimate import estimate
-
     if plot is not None:
         from pathlib import Path
 
@@ -134,44 +170,56 @@ def estimate_command(
         if not Path(plot).parent.is_dir():
             raise UsageError(f"--plot: the folder {Path(plot).parent} does not exist")
 
-    result = estimate(
-        model,
-        task=task,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer=optimizer,
-        gradient_checkpointing=gradient_checkpointing,
-        attn_implementation=attn_implementation,
-        mode=mode,
-        device=device,
-        gpu_memory=gpu_memory,
-        num_labels=num_labels,
-        loss=loss,
-        mini_batch_size=mini_batch_size,
-        lora_rank=lora_rank,
-        lora_target_modules=[x for x in (lora_target_modules or "").split(",") if x.strip()],
-        max_seq_len=max_seq_len,
-        world_size=world_size,
-        sharding=sharding,
-        gpu=gpu,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-    )
+    # on screen before torch is imported (seconds); the estimator's report() calls refine it
+    with progress.status("loading torch and transformers", subject=f"memfit estimate {model}"):
+        from memfit.estimate import estimate
+
+        progress.report(
+            f"{mode} step, batch {batch_size} × {seq_len} tokens, {precision} on {device}"
+        )
+        result = estimate(
+            model,
+            task=task,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            precision=precision,
+            optimizer=optimizer,
+            gradient_checkpointing=gradient_checkpointing,
+            attn_implementation=attn_implementation,
+            mode=mode,
+            device=device,
+            gpu_memory=gpu_memory,
+            num_labels=num_labels,
+            loss=loss,
+            mini_batch_size=mini_batch_size,
+            lora_rank=lora_rank,
+            lora_target_modules=[x for x in (lora_target_modules or "").split(",") if x.strip()],
+            max_seq_len=max_seq_len,
+            world_size=world_size,
+            sharding=sharding,
+            gpu=gpu,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            **_trace_depth_knob(trace_depth),
+        )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
         from memfit.report.console import print_estimate
 
         print_estimate(result)
+        depth_line = _trace_depth_line(result.details)
+        if depth_line is not None:
+            typer.echo(depth_line)
     if plot is not None:
-        from memfit.report.plots import breakdown_plot, save_figure
+        with progress.status(f"drawing {plot}", subject=f"memfit estimate {model}"):
+            from memfit.report.plots import breakdown_plot, save_figure
 
-        figure = breakdown_plot(
-            result.breakdown,
-            budget=result.budget_bytes,
-            title=f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}",
-        )
-        save_figure(figure, plot, flag="--plot")
+            figure = breakdown_plot(
+                result.breakdown,
+                budget=result.budget_bytes,
+                title=f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}",
+            )
+            save_figure(figure, plot, flag="--plot")
         # stdout stays one JSON object under --json
         typer.echo(f"wrote {plot}", err=as_json)
 
@@ -236,11 +284,9 @@ def plan_command(
     write_config: Annotated[
         str | None, typer.Option(help="Write the plan as a YAML run config for memfit train.")
     ] = None,
+    trace_depth: TraceDepth = "auto",
 ) -> None:
     """Fit a fine-tuning job into a memory budget, effective batch kept; exit 3 if nothing fits."""
-    from memfit.plan import DataProfile, plan
-    from memfit.plan.data_profile import tokenizer_folder
-
     levers = [a for a in (allow or "").split(",") if a.strip()]
     profile = None
     columns = [c.strip() for c in text_column.split(",") if c.strip()]
@@ -248,46 +294,55 @@ def plan_command(
         raise UsageError(
             "--seq-len is required (or give --train-file to take it from the data's longest sample)"
         )
-    if train_file is not None:
-        if not columns:
-            raise UsageError("--text-column: give at least one column name")
-        tokenizer = tokenizer_folder(model, tokenizer, model_flag="MODEL")
-        profile = DataProfile.from_file(train_file, columns, tokenizer)
-    elif tokenizer or text_column != "text":
+    if train_file is None and (tokenizer or text_column != "text"):
         raise UsageError("--text-column and --tokenizer describe --train-file: give it too")
-    seq_len_note = None
-    if seq_len is None:
-        assert profile is not None
-        from memfit.models import resolve_model
+    if train_file is not None and not columns:
+        raise UsageError("--text-column: give at least one column name")
+    # on screen before torch is imported; the estimates the plan runs refine it
+    with progress.status("loading torch and transformers", subject=f"memfit plan {model}"):
+        from memfit.plan import DataProfile, plan
+        from memfit.plan.data_profile import tokenizer_folder
 
-        max_positions = resolve_model(model).max_positions
-        # a multiple of 8 keeps tensor-core shapes; the model's positions are a hard limit
-        seq_len = min(-(-profile.max_length // 8) * 8, max_positions)
-        seq_len_note = (
-            f"--seq-len {seq_len}: the longest sample of {train_file} has {profile.max_length} "
-            f"tokens (p99 {profile.percentile(99)})"
-            + (
-                f", capped at the model's {max_positions} positions"
-                if seq_len < profile.max_length
-                else (", rounded up to a multiple of 8" if seq_len > profile.max_length else "")
+        if train_file is not None:
+            progress.report(f"tokenizing {train_file} for its lengths")
+            tokenizer = tokenizer_folder(model, tokenizer, model_flag="MODEL")
+            profile = DataProfile.from_file(train_file, columns, tokenizer)
+        seq_len_note = None
+        if seq_len is None:
+            assert profile is not None
+            from memfit.models import resolve_model
+
+            max_positions = resolve_model(model).max_positions
+            # a multiple of 8 keeps tensor-core shapes; the model's positions are a hard limit
+            seq_len = min(-(-profile.max_length // 8) * 8, max_positions)
+            seq_len_note = (
+                f"--seq-len {seq_len}: the longest sample of {train_file} has {profile.max_length} "
+                f"tokens (p99 {profile.percentile(99)})"
+                + (
+                    f", capped at the model's {max_positions} positions"
+                    if seq_len < profile.max_length
+                    else (", rounded up to a multiple of 8" if seq_len > profile.max_length else "")
+                )
             )
+        budget = gpu_memory or gpu or "this machine's GPU"
+        progress.report(f"fitting batch {effective_batch_size} × {seq_len} tokens into {budget}")
+        result = plan(
+            model,
+            task=task,
+            seq_len=seq_len,
+            effective_batch_size=effective_batch_size,
+            gpu_memory=gpu_memory,
+            gpu=gpu,
+            loss=loss,
+            world_size=world_size,
+            sharding=sharding,
+            allow=levers,
+            precision=precision,
+            data_profile=profile,
+            safety_margin=safety_margin,
+            num_labels=num_labels,
+            **_trace_depth_knob(trace_depth),
         )
-    result = plan(
-        model,
-        task=task,
-        seq_len=seq_len,
-        effective_batch_size=effective_batch_size,
-        gpu_memory=gpu_memory,
-        gpu=gpu,
-        loss=loss,
-        world_size=world_size,
-        sharding=sharding,
-        allow=levers,
-        precision=precision,
-        data_profile=profile,
-        safety_margin=safety_margin,
-        num_labels=num_labels,
-    )
     if seq_len_note is not None:
         result.explanation.insert(0, seq_len_note)
     if write_config is not None and result.chosen is not None:
@@ -339,7 +394,10 @@ def report_command(
     """Write RUN_DIR/report.html (self-contained) and its plots as PNG files beside it."""
     from memfit.report.html import PLOTS, write_report
 
-    path = write_report(run_dir, estimate=not no_estimate)
+    # matplotlib, and (unless --no-estimate) torch and the run's estimate: seconds
+    doing = "drawing the plots" if no_estimate else "estimating the run's step, drawing the plots"
+    with progress.status(doing, subject=f"memfit report {run_dir}"):
+        path = write_report(run_dir, estimate=not no_estimate)
     typer.echo(f"wrote {path} (and {', '.join(PLOTS)} beside it)")
 
 
@@ -348,8 +406,10 @@ def gpus_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ) -> None:
     """List the GPUs --gpu knows: memory as CUDA reports it, bf16, peak rates."""
-    from memfit.plan import catalog
     from memfit.units import format_bytes
+
+    with progress.status("loading the catalog", subject="memfit gpus"):  # memfit.plan imports torch
+        from memfit.plan import catalog
 
     rows = [
         {
@@ -378,18 +438,22 @@ def models_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ) -> None:
     """List the models memfit knows offline (architecture configs only, no weights)."""
-    from memfit.models import registry_names, resolve_model
-
     rows = []
-    for name in registry_names():
-        spec = resolve_model(name)
-        rows.append(
-            {
-                "name": name,
-                "model_type": spec.config.model_type,
-                "max_positions": spec.max_positions,
-            }
-        )
+    # transformers' config classes load first (seconds)
+    with progress.status("loading transformers", subject="memfit models"):
+        from memfit.models import registry_names, resolve_model
+
+        names = registry_names()
+        for k, name in enumerate(names, 1):
+            progress.report(f"reading {name} ({k} of {len(names)})")
+            spec = resolve_model(name)
+            rows.append(
+                {
+                    "name": name,
+                    "model_type": spec.config.model_type,
+                    "max_positions": spec.max_positions,
+                }
+            )
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -431,15 +495,17 @@ def data_profile_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes."""
-    from memfit.plan.data_profile import DataProfile, tokenizer_folder
-
     if model is not None and tokenizer is not None:
         raise UsageError("give --model or --tokenizer, not both (--tokenizer alone is enough)")
     if max_seq_len is not None and max_seq_len < 1:
         raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
-    folder = tokenizer_folder(model, tokenizer, model_flag="--model")
-    columns = [c.strip() for c in text_column.split(",") if c.strip()]
-    profile = DataProfile.from_file(file, columns, folder, flag="FILE")
+    with progress.status("loading transformers", subject=f"memfit data profile {file}"):
+        from memfit.plan.data_profile import DataProfile, tokenizer_folder
+
+        folder = tokenizer_folder(model, tokenizer, model_flag="--model")
+        columns = [c.strip() for c in text_column.split(",") if c.strip()]
+        progress.report("reading and tokenizing every row")
+        profile = DataProfile.from_file(file, columns, folder, flag="FILE")
     if as_json:
         typer.echo(json.dumps(profile.to_dict(max_seq_len)))
     else:
@@ -448,6 +514,21 @@ def data_profile_command(
 
 
 Opt = typer.Option
+
+
+def _train_setup_status(message: str, subject: str) -> contextlib.AbstractContextManager[None]:
+    """The status line of memfit train's setup, erased by the run's first line or step bar.
+
+    The step bar is drawn by rich's default console, on stdout: where stdout is not a terminal it
+    draws nothing before the run ends, and nothing would erase the line; no status line there.
+    """
+    try:
+        interactive = sys.stdout.isatty()
+    except (AttributeError, ValueError, OSError):
+        interactive = False
+    if not interactive:
+        return contextlib.nullcontext()
+    return progress.status(message, subject=subject, end_on_output=True)
 
 
 @app.command("train")
@@ -582,112 +663,120 @@ def train_command(
     ] = None,
 ) -> None:
     """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
-    from memfit.train.lora import parse_target_modules
-    from memfit.train.run import TrainConfig, train
-    from memfit.train.sagemaker import environment_settings, publish_model
-    from memfit.units import parse_size
+    # torch, the model, tokenizing and the plan take seconds to minutes before step 1
+    with _train_setup_status(
+        "loading torch and transformers", subject=f"memfit train {model or config or ''}".strip()
+    ):
+        from memfit.train.lora import parse_target_modules
+        from memfit.train.run import TrainConfig, train
+        from memfit.train.sagemaker import environment_settings, publish_model
+        from memfit.units import parse_size
 
-    # on SageMaker-style services the job's channels, folders and hyperparameters are the
-    # defaults; the config file and the flags below win over them
-    settings: dict[str, Any] = environment_settings(os.environ, TrainConfig)
-    if config is not None:
-        from memfit.config import load_config
+        # on SageMaker-style services the job's channels, folders and hyperparameters are the
+        # defaults; the config file and the flags below win over them
+        settings: dict[str, Any] = environment_settings(os.environ, TrainConfig)
+        if config is not None:
+            from memfit.config import load_config
 
-        loaded = load_config(config)
-        for key in (
-            "gpu",
-            "budget_bytes",
-            "safety_margin",
-            "predicted_peak_bytes",
-            "tokenizer",
-            "num_labels",
-        ):
-            loaded.pop(key, None)
-        if isinstance(loaded.get("lora_target_modules"), str):
-            # "attention,mlp" in the file, as on the command line
-            loaded["lora_target_modules"] = parse_target_modules(loaded["lora_target_modules"])
-        settings.update(loaded)
-    given: dict[str, Any] = {
-        "task": task,
-        "model": model,
-        "train_file": train_file,
-        "eval_file": eval_file,
-        "output_dir": output_dir,
-        "text_column": text_column,
-        "label_column": label_column,
-        "text_pair_column": text_pair_column,
-        "anchor_column": anchor_column,
-        "positive_column": positive_column,
-        "loss": loss,
-        "packing": packing,
-        "effective_batch_size": effective_batch_size,
-        "epochs": epochs,
-        "max_steps": max_steps,
-        "lr": lr,
-        "weight_decay": weight_decay,
-        "warmup_ratio": warmup_ratio,
-        "lr_scheduler": lr_scheduler,
-        "max_grad_norm": max_grad_norm,
-        "optimizer": optimizer,
-        "seed": seed,
-        "save_every": save_every,
-        "save_total_limit": save_total_limit,
-        "eval_every": eval_every,
-        "device": device,
-        "micro_batch_size": micro_batch_size,
-        "gradient_accumulation_steps": gradient_accumulation_steps,
-        "world_size": world_size,
-        "sharding": sharding,
-        "precision": precision,
-        "gradient_checkpointing": gradient_checkpointing,
-        "max_seq_len": max_seq_len,
-        "mini_batch_size": mini_batch_size,
-        "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
-        "num_labels": num_labels,
-        "cache_dir": cache_dir,
-        "group_by_length": group_by_length,
-        "probe": probe,
-        "padding": padding,
-        "memory_snapshot": memory_snapshot or None,
-        "skip_bad_rows": skip_bad_rows or None,
-        "lora_rank": lora_rank,
-        "lora_target_modules": parse_target_modules(lora_target_modules),
-        "merge_lora": merge_lora or None,
-        "report_to": report_to,
-    }
-    if labels is not None:
-        given["labels"] = [x.strip() for x in labels.split(",")]
-    settings.update({k: v for k, v in given.items() if v is not None})
-    if gpu_memory is not None:
-        settings["gpu_memory"] = parse_size(gpu_memory, name="--gpu-memory")
-    if memory_cap is not None:
-        settings["memory_cap"] = parse_size(memory_cap, name="--memory-cap")
-    if settings.get("max_grad_norm") == 0:
-        settings["max_grad_norm"] = None
-    # a planned config names the micro-batch; the effective batch follows from the plan keys
-    if settings.get("effective_batch_size") is None and settings.get("micro_batch_size"):
-        settings["effective_batch_size"] = (
-            int(settings["micro_batch_size"])
-            * int(settings.get("gradient_accumulation_steps") or 1)
-            * int(settings.get("world_size") or 1)
+            loaded = load_config(config)
+            for key in (
+                "gpu",
+                "budget_bytes",
+                "safety_margin",
+                "predicted_peak_bytes",
+                "tokenizer",
+                "num_labels",
+            ):
+                loaded.pop(key, None)
+            if isinstance(loaded.get("lora_target_modules"), str):
+                # "attention,mlp" in the file, as on the command line
+                loaded["lora_target_modules"] = parse_target_modules(loaded["lora_target_modules"])
+            settings.update(loaded)
+        given: dict[str, Any] = {
+            "task": task,
+            "model": model,
+            "train_file": train_file,
+            "eval_file": eval_file,
+            "output_dir": output_dir,
+            "text_column": text_column,
+            "label_column": label_column,
+            "text_pair_column": text_pair_column,
+            "anchor_column": anchor_column,
+            "positive_column": positive_column,
+            "loss": loss,
+            "packing": packing,
+            "effective_batch_size": effective_batch_size,
+            "epochs": epochs,
+            "max_steps": max_steps,
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "warmup_ratio": warmup_ratio,
+            "lr_scheduler": lr_scheduler,
+            "max_grad_norm": max_grad_norm,
+            "optimizer": optimizer,
+            "seed": seed,
+            "save_every": save_every,
+            "save_total_limit": save_total_limit,
+            "eval_every": eval_every,
+            "device": device,
+            "micro_batch_size": micro_batch_size,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "world_size": world_size,
+            "sharding": sharding,
+            "precision": precision,
+            "gradient_checkpointing": gradient_checkpointing,
+            "max_seq_len": max_seq_len,
+            "mini_batch_size": mini_batch_size,
+            "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
+            "num_labels": num_labels,
+            "cache_dir": cache_dir,
+            "group_by_length": group_by_length,
+            "probe": probe,
+            "padding": padding,
+            "memory_snapshot": memory_snapshot or None,
+            "skip_bad_rows": skip_bad_rows or None,
+            "lora_rank": lora_rank,
+            "lora_target_modules": parse_target_modules(lora_target_modules),
+            "merge_lora": merge_lora or None,
+            "report_to": report_to,
+        }
+        if labels is not None:
+            given["labels"] = [x.strip() for x in labels.split(",")]
+        settings.update({k: v for k, v in given.items() if v is not None})
+        if gpu_memory is not None:
+            settings["gpu_memory"] = parse_size(gpu_memory, name="--gpu-memory")
+        if memory_cap is not None:
+            settings["memory_cap"] = parse_size(memory_cap, name="--memory-cap")
+        if settings.get("max_grad_norm") == 0:
+            settings["max_grad_norm"] = None
+        # a planned config names the micro-batch; the effective batch follows from the plan keys
+        if settings.get("effective_batch_size") is None and settings.get("micro_batch_size"):
+            settings["effective_batch_size"] = (
+                int(settings["micro_batch_size"])
+                * int(settings.get("gradient_accumulation_steps") or 1)
+                * int(settings.get("world_size") or 1)
+            )
+        settings.pop("gradient_accumulation_steps", None)
+        missing = [
+            f"--{k.replace('_', '-')}"
+            for k in ("task", "model", "train_file", "output_dir")
+            if not settings.get(k)
+        ]
+        if missing:
+            raise UsageError(
+                f"memfit train needs {', '.join(missing)} (as flags or in the config file)"
+            )
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(k for k in settings if k not in known)
+        if unknown:
+            raise UsageError(f"{config}: settings memfit train does not take: {', '.join(unknown)}")
+        # --resume, or the environment's (a restarted managed job finds its run folder)
+        resume = resume or bool(settings.pop("resume", False))
+        progress.report(
+            f"loading {settings['model']}, tokenizing {settings['train_file']}, "
+            "planning the micro-batch"
         )
-    settings.pop("gradient_accumulation_steps", None)
-    missing = [
-        f"--{k.replace('_', '-')}"
-        for k in ("task", "model", "train_file", "output_dir")
-        if not settings.get(k)
-    ]
-    if missing:
-        raise UsageError(
-            f"memfit train needs {', '.join(missing)} (as flags or in the config file)"
-        )
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(k for k in settings if k not in known)
-    if unknown:
-        raise UsageError(f"{config}: settings memfit train does not take: {', '.join(unknown)}")
-    # --resume, or the environment's (a restarted managed job finds its run folder)
-    resume = resume or bool(settings.pop("resume", False))
-    result = train(TrainConfig(**settings, resume=resume))
+        result = train(TrainConfig(**settings, resume=resume))
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # several ranks: rank 0 reports the run
     if result.stopped == "done":
@@ -771,13 +860,25 @@ def doctor_command(
             num_labels=num_labels, loss=loss, lora_rank=lora_rank,
             gradient_accumulation_steps=gradient_accumulation_steps,
         )  # fmt: skip
-    if message is not None:
-        result = doctor.from_text(message, flag="--message", knobs=knobs)
-    elif file is not None:
-        result = doctor.from_file(file, knobs=knobs)
-    else:
-        assert run_dir is not None
-        result = doctor.from_run_dir(run_dir)
+    # pricing the fixes runs memfit estimate (torch, traces: seconds), as a run folder's does;
+    # reading a message alone is instant and shows no status line
+    pricing = (
+        progress.status(f"pricing the fixes with memfit estimate {model}", subject="memfit doctor")
+        if knobs is not None
+        else progress.status(
+            "pricing the fixes with the run's model", subject=f"memfit doctor {run_dir}"
+        )
+        if run_dir is not None
+        else contextlib.nullcontext()
+    )
+    with pricing:
+        if message is not None:
+            result = doctor.from_text(message, flag="--message", knobs=knobs)
+        elif file is not None:
+            result = doctor.from_file(file, knobs=knobs)
+        else:
+            assert run_dir is not None
+            result = doctor.from_run_dir(run_dir)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
@@ -787,27 +888,37 @@ def doctor_command(
 @app.command("demo")
 def demo_command() -> None:
     """Estimate a known fine-tuning job (bert-base-uncased on a 16 GiB GPU), then plan it into 4 GiB."""
-    from memfit.estimate import estimate
-    from memfit.report.console import print_estimate
-
     typer.echo(
         "memfit demo: fine-tuning bert-base-uncased for classification, batch 32 × 128 tokens, AdamW, fp32"
     )
     typer.echo(
         "$ memfit estimate bert-base-uncased --task classification --batch-size 32 --seq-len 128 --gpu-memory 16GiB"
     )
-    result = estimate(
-        "bert-base-uncased", task="classification", batch_size=32, seq_len=128, gpu_memory="16GiB"
-    )
+    # each slow step under a status line; the demo's next printed line erases it
+    with progress.status("loading torch and transformers", subject="memfit demo"):
+        from memfit.estimate import estimate
+        from memfit.report.console import print_estimate
+
+        progress.report("estimating bert-base-uncased, batch 32 × 128 tokens, fp32")
+        result = estimate(
+            "bert-base-uncased",
+            task="classification",
+            batch_size=32,
+            seq_len=128,
+            gpu_memory="16GiB",
+        )
     print_estimate(result)
-    bf16 = estimate(
-        "bert-base-uncased",
-        task="classification",
-        batch_size=32,
-        seq_len=128,
-        precision="bf16",
-        gpu_memory="16GiB",
-    )
+    with progress.status(
+        "estimating bert-base-uncased, batch 32 × 128 tokens, bf16", subject="memfit demo"
+    ):
+        bf16 = estimate(
+            "bert-base-uncased",
+            task="classification",
+            batch_size=32,
+            seq_len=128,
+            precision="bf16",
+            gpu_memory="16GiB",
+        )
     from memfit.units import format_bytes
 
     typer.echo(
@@ -824,15 +935,15 @@ def demo_command() -> None:
         "$ memfit plan bert-base-uncased --task classification --seq-len 256 "
         "--effective-batch-size 64 --gpu-memory 4GiB"
     )
-    print_plan(
-        plan(
+    with progress.status("planning bert-base-uncased into 4 GiB", subject="memfit demo"):
+        planned = plan(
             "bert-base-uncased",
             task="classification",
             seq_len=256,
             effective_batch_size=64,
             gpu_memory="4GiB",
         )
-    )
+    print_plan(planned)
     _demo_train()
 
 
@@ -870,7 +981,10 @@ def _demo_train() -> None:
         return max(int(json.loads(x)["peak_bytes"]) for x in lines)
 
     typer.echo("\nMeasuring what a training step of all-MiniLM-L6-v2 holds (two probe steps)…")
-    cap = (peak("probe-32") + peak("probe-4", mini_batch_size=4)) // 2
+    with progress.status("two probe steps of all-MiniLM-L6-v2, batch 32", subject="memfit demo"):
+        whole = peak("probe-32")
+        progress.report("two probe steps of all-MiniLM-L6-v2, mini-batches of 4")
+        cap = (whole + peak("probe-4", mini_batch_size=4)) // 2
     typer.echo(
         "Now a real fine-tuning run: all-MiniLM-L6-v2 (sentence-transformers, MNRL) on 36 embedded "
         f"paraphrase pairs, batch 32, on the CPU capped at {format_bytes(cap)} — less than the whole "
@@ -882,21 +996,24 @@ def _demo_train() -> None:
         f"--eval-file {eval_file} --effective-batch-size 32 --max-steps 4 --memory-cap {cap} "
         f"--max-seq-len 32 --lr 2e-5 --device cpu --output-dir {out}"
     )
-    result = train(
-        TrainConfig(
-            task="sentence-embedding",
-            model=model,
-            train_file=str(train_file),
-            eval_file=str(eval_file),
-            output_dir=str(out),
-            effective_batch_size=32,
-            max_steps=4,
-            memory_cap=cap,
-            max_seq_len=32,
-            lr=2e-5,
-            device="cpu",
+    with _train_setup_status(
+        "loading all-MiniLM-L6-v2, tokenizing the pairs", subject="memfit demo"
+    ):
+        result = train(
+            TrainConfig(
+                task="sentence-embedding",
+                model=model,
+                train_file=str(train_file),
+                eval_file=str(eval_file),
+                output_dir=str(out),
+                effective_batch_size=32,
+                max_steps=4,
+                memory_cap=cap,
+                max_seq_len=32,
+                lr=2e-5,
+                device="cpu",
+            )
         )
-    )
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     ooms = sum(e["type"] == "oom" for e in events)
     metrics = "  ".join(f"{k} {v:.3f}" for k, v in result.eval_metrics.items())
@@ -908,7 +1025,10 @@ def _demo_train() -> None:
     from memfit.report.html import write_report
 
     typer.echo(f"\n$ memfit report {out}")
-    page = write_report(out)
+    with progress.status(
+        f"estimating the run's step, drawing the plots of {out}", subject="memfit demo"
+    ):
+        page = write_report(out)
     typer.echo(
         f"wrote {page}: memory per step with the OOM and the back-off marked, the estimate "
         "beside the measured peak, loss and throughput (and the same plots as PNG beside it)"
@@ -936,6 +1056,8 @@ def _fail(message: str, code: int) -> None:
 
 def _usage_message(exc: Any) -> str:
     message = " ".join(exc.format_message().split())
+    # typer validates choices (Literal options) through pydantic, which prefixes its ValueError
+    message = message.replace("Value error, ", "")
     param = getattr(exc, "param", None)
     if param is not None and getattr(param, "opts", None):
         flag = max(param.opts, key=len)
@@ -944,8 +1066,47 @@ def _usage_message(exc: Any) -> str:
     return message
 
 
+# verbs that only read and print: once they are done, nothing is left to tear down
+_QUICK_EXIT_VERBS = frozenset({"estimate", "plan", "models", "gpus", "doctor"})
+
+
 def main(argv: list[str] | None = None) -> Any:
-    """Entry point: errors become one plain line on stderr with a meaningful exit code."""
+    """Entry point: errors become one plain line on stderr with a meaningful exit code.
+
+    Run as a program (``argv`` None), a read-only verb ends without the interpreter's teardown:
+    freeing torch's and transformers' modules one by one takes a second or more, after the
+    answer is printed. Exit handlers still run and both streams are flushed first.
+    """
+    verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    if argv is not None or verb not in _QUICK_EXIT_VERBS:
+        return _main(argv)
+    try:
+        _main(None)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            sys.stderr.write(f"{exc.code}\n")
+            code = 1
+    _quick_exit(code)
+    return None
+
+
+def _quick_exit(code: int) -> None:
+    import atexit
+    import contextlib
+    import os
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        # a closed pipe: nothing more can be said on it
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None = None) -> Any:
     import os
 
     # transformers' advice for training scripts is noise for a planning tool

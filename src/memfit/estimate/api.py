@@ -171,6 +171,7 @@ def estimate(
     gradient_accumulation_steps: int = 1,
     sharding: str = "none",
     lora_target_modules: Sequence[str] | None = None,
+    trace_depth: str = "auto",
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
@@ -190,6 +191,10 @@ def estimate(
     takes them (groups attention/mlp, module names, all-linear; default attention).
     ``gradient_accumulation_steps`` > 1: the micro-batches after the first run forward and
     backward while the gradients of the earlier ones are alive (and add theirs in place).
+    ``trace_depth``: ``auto`` traces two shallow copies of the model (3 and 4 layers, or more
+    where layers alternate) and writes out the trace of every layer exactly (see
+    :mod:`memfit.estimate.depth`; ``details["trace_depth"]`` says what was done), falling back
+    to the whole model where the layers do not repeat; ``full`` always traces every layer.
     """
     from memfit.models import resolve_model
 
@@ -248,6 +253,10 @@ def estimate(
         problems.append(
             f"--gradient-accumulation-steps: expected a whole number ≥ 1, got {gradient_accumulation_steps!r}"
         )
+    if trace_depth not in TRACE_DEPTHS:
+        problems.append(
+            f"--trace-depth: unknown value {trace_depth!r}; choose one of {', '.join(TRACE_DEPTHS)}"
+        )
     if problems:
         raise UsageError("; ".join(problems))
     assert model_spec is not None
@@ -265,7 +274,7 @@ def estimate(
         spec = dataclasses.replace(spec, cached_chunks=min(chunks, 2))
         traced_batch = mini
         extra_rows = batch_size - mini * spec.cached_chunks
-    traced = _traced(model_spec, spec)
+    traced = _traced(model_spec, spec, trace_depth)
     world = world_size or 1
     peak = traced.replay(
         traced_batch,
@@ -290,6 +299,7 @@ def estimate(
         "context_bytes": peak.context_bytes,
         "device_profile": (profile or traced.profile).name if spec.device == "cuda" else "cpu",
         "method": traced._variant(traced_batch, seq_len).method,
+        "trace_depth": dict(traced.used(traced_batch, seq_len).depth),
         "trace_seconds": round(traced.trace_seconds, 3),
         "estimate_seconds": round(time.perf_counter() - started, 4),
     }
@@ -363,6 +373,9 @@ class _Traced:
     method: str = "fitted"
     max_positions: int = 512
     variant_key: tuple[bool, bool] | None = None
+    # how deep the model was traced (``details["trace_depth"]``) and what was asked
+    depth: dict[str, Any] = field(default_factory=dict)
+    trace_depth: str = "auto"
     _exact: dict[tuple[int, int], _Traced] = field(default_factory=dict)
     _variants: dict[tuple[bool, bool], _Traced] = field(default_factory=dict)
     _dirty: bool = True  # traced (or extended) since the disk cache last saw it
@@ -410,6 +423,13 @@ class _Traced:
             shard,
         )
 
+    def used(self, batch_size: int, seq_len: int) -> _Traced:
+        """The trace that answered this shape (a variant's, or an exact one)."""
+        variant = self._variant(batch_size, seq_len)
+        if variant.fitted is None and (batch_size, seq_len) in variant._exact:
+            return variant._exact[(batch_size, seq_len)]
+        return variant
+
     def _variant(self, batch_size: int, seq_len: int) -> _Traced:
         """The fit that covers this shape: a batch of one, and misaligned lengths, have their own.
 
@@ -428,7 +448,7 @@ class _Traced:
             check, grid, second = grid_shapes(
                 self.max_positions, batch_size=1 if key[0] else None, aligned=key[1]
             )
-            trace = _run_trace(self.config, self.spec, [check, *grid, second])
+            trace, depth = _trace(self.config, self.spec, [check, *grid, second], self.trace_depth)
             fitted = fit_trace(trace)
             self._dirty = True
             self._variants[key] = _Traced(
@@ -441,6 +461,8 @@ class _Traced:
                 "fitted" if fitted is not None else "exact-trace",
                 self.max_positions,
                 variant_key=key,
+                depth=depth,
+                trace_depth=self.trace_depth,
             )
         return self._variants[key]
 
@@ -451,7 +473,7 @@ class _Traced:
             if _ONLY_CACHED.get():
                 raise NotTraced
             started = time.perf_counter()
-            trace = _run_trace(self.config, self.spec, [key, key])
+            trace, depth = _trace(self.config, self.spec, [key, key], self.trace_depth)
             exact = _Traced(
                 self.config,
                 self.spec,
@@ -462,6 +484,8 @@ class _Traced:
                 "exact-trace",
                 self.max_positions,
                 variant_key=(batch_size == 1, seq_len % 8 == 0),
+                depth=depth,
+                trace_depth=self.trace_depth,
             )
             exact.fitted = _identity_fit(trace)
             self._exact[key] = exact
@@ -491,11 +515,11 @@ def _identity_fit(trace: StepTrace) -> FittedSegment:
     )
 
 
-_CACHE: dict[tuple[str, StepSpec], _Traced] = {}
+_CACHE: dict[tuple[str, StepSpec, str], _Traced] = {}
 _LOCK = threading.Lock()
 
 
-def _disk_path(key: tuple[str, StepSpec]) -> Any:
+def _disk_path(key: tuple[str, StepSpec, str]) -> Any:
     """Where a trace is kept between processes; None when the disk cache is off.
 
     The file name hashes the model's config, the knobs, the torch and transformers versions and
@@ -533,7 +557,7 @@ def _source_digest() -> str:
     return _SOURCE_DIGEST[0]
 
 
-def _disk_load(key: tuple[str, StepSpec]) -> _Traced | None:
+def _disk_load(key: tuple[str, StepSpec, str]) -> _Traced | None:
     import pickle
 
     path = _disk_path(key)
@@ -591,8 +615,8 @@ def is_traced(model: str, **knobs: Any) -> bool:
     return True
 
 
-def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
-    key = (model_spec.cache_key(), spec)
+def _traced(model_spec: Any, spec: StepSpec, trace_depth: str = "auto") -> _Traced:
+    key = (model_spec.cache_key(), spec, trace_depth)
     with _LOCK:
         if key not in _CACHE and (loaded := _disk_load(key)) is not None:
             _CACHE[key] = loaded
@@ -601,7 +625,7 @@ def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
         if key not in _CACHE:
             started = time.perf_counter()
             check, grid, second = grid_shapes(model_spec.max_positions)
-            trace = _run_trace(model_spec.config, spec, [check, *grid, second])
+            trace, depth = _trace(model_spec.config, spec, [check, *grid, second], trace_depth)
             fitted = fit_trace(trace)
             _CACHE[key] = _Traced(
                 model_spec.config,
@@ -612,8 +636,51 @@ def _traced(model_spec: Any, spec: StepSpec) -> _Traced:
                 time.perf_counter() - started,
                 "fitted" if fitted is not None else "exact-trace",
                 model_spec.max_positions,
+                depth=depth,
+                trace_depth=trace_depth,
             )
         return _CACHE[key]
+
+
+TRACE_DEPTHS = ("auto", "full")
+
+
+def _trace(
+    config: Any, spec: StepSpec, shapes: list[tuple[int, int]], trace_depth: str = "auto"
+) -> tuple[StepTrace, dict[str, Any]]:
+    """Trace ``shapes`` (the first two also run the optimizer); how deep, in ``details``.
+
+    ``auto`` traces two shallow copies of the model and writes out the trace of every layer
+    (:mod:`memfit.estimate.depth`): the same trace, allocation for allocation, in a fraction of
+    the time. Where the layers do not repeat, it traces the whole model and says why.
+    """
+    from memfit import progress
+    from memfit.estimate import depth as depth_
+
+    plan, reason = depth_.plan_depth(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    if trace_depth == "full":
+        reason = "--trace-depth full"
+    elif plan is not None:
+        shallow_a, shallow_b = plan.traced
+        try:
+            progress.report(f"tracing {shallow_a} of {layers} layers ({len(shapes)} shapes)")
+            shallow = _run_trace(depth_.shallow_config(config, plan, shallow_a), spec, shapes)
+            progress.report(f"tracing {shallow_b} of {layers} layers (the check)")
+            deeper = _run_trace(depth_.shallow_config(config, plan, shallow_b), spec, shapes[:2])
+            progress.report(f"writing out the trace of {layers} layers")
+            trace = depth_.extrapolate(shallow, deeper, plan)
+            return trace, {
+                "mode": "extrapolated",
+                "depth": plan.depth,
+                "period": plan.period,
+                "traced_depths": list(plan.traced),
+            }
+        except depth_.NotRepeating as exc:
+            reason = f"the layers do not repeat: {exc}"
+    progress.report(f"tracing all {layers} layers ({len(shapes)} shapes)")
+    info: dict[str, Any] = {"mode": "full", "depth": layers, "reason": reason}
+    return _run_trace(config, spec, shapes), info
 
 
 def _run_trace(config: Any, spec: StepSpec, shapes: list[tuple[int, int]]) -> StepTrace:
@@ -917,14 +984,13 @@ def _replay_cuda(
     phases: dict[str, int] = {}
 
     def track() -> None:
-        phase = str(state["phase"])
-        phases[phase] = max(phases.get(phase, 0), allocator.allocated)
-        if allocator.allocated > state["best"]:
-            state["best"], state["raw"], state["at"] = (
-                allocator.allocated,
-                list(raw),
-                state["phase"],
-            )
+        # called on every allocation of the reported step: keep the common case cheap
+        allocated = allocator.allocated
+        phase = state["phase"]
+        if allocated > phases.get(phase, 0):  # type: ignore[call-overload]
+            phases[phase] = allocated  # type: ignore[index]
+            if allocated > state["best"]:  # type: ignore[operator]
+                state["best"], state["raw"], state["at"] = allocated, list(raw), phase
 
     conversions, conversion_buffer = replay.conversions(fb)
     fb_after = list(fb_sizes)  # fb's sizes once backward is over (the optimizer frees these)

@@ -38,12 +38,14 @@ def cuda_segment_size(size: int) -> int:
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     address: int
     size: int
     segment: int
     free: bool = True
+    # the block before this one in its segment (blocks tile a segment), None for the first
+    previous: _Block | None = None
 
 
 @dataclass
@@ -88,13 +90,17 @@ class CachingAllocator:
             self.max_reserved = max(self.max_reserved, self.reserved)
         remaining = block.size - size
         if (small and remaining >= K_MIN_BLOCK_SIZE) or (not small and remaining > K_SMALL_SIZE):
-            rest = _Block(block.address + size, remaining, block.segment)
+            rest = _Block(block.address + size, remaining, block.segment, True, block)
+            after = self._blocks.get(rest.address + remaining)
+            if after is not None and after.segment == block.segment:
+                after.previous = rest
             self._blocks[rest.address] = rest
-            bisect.insort(pool, (rest.size, rest.address))
+            bisect.insort(pool, (remaining, rest.address))
             block.size = size
         block.free = False
         self.allocated += block.size
-        self.max_allocated = max(self.max_allocated, self.allocated)
+        if self.allocated > self.max_allocated:
+            self.max_allocated = self.allocated
         return block.address
 
     def free(self, address: int) -> None:
@@ -109,23 +115,16 @@ class CachingAllocator:
             pool.remove((following.size, following.address))
             del self._blocks[following.address]
             block.size += following.size
-        if block.address != block.segment:
-            preceding = self._find_preceding(block)
-            if preceding is not None and preceding.free:
-                pool.remove((preceding.size, preceding.address))
-                del self._blocks[block.address]
-                preceding.size += block.size
-                block = preceding
+        preceding = block.previous
+        if preceding is not None and preceding.free:
+            pool.remove((preceding.size, preceding.address))
+            del self._blocks[block.address]
+            preceding.size += block.size
+            block = preceding
+        after = self._blocks.get(block.address + block.size)
+        if after is not None and after.segment == block.segment:
+            after.previous = block
         bisect.insort(pool, (block.size, block.address))
-
-    def _find_preceding(self, block: _Block) -> _Block | None:
-        # blocks of a segment tile it; walk from the segment start (segments hold few blocks)
-        address = block.segment
-        previous = None
-        while address < block.address:
-            previous = self._blocks[address]
-            address += previous.size
-        return previous
 
 
 @dataclass(frozen=True)

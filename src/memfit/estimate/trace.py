@@ -78,6 +78,10 @@ class Segment:
     # low-precision copy of a weight (op "weight_cast"), an optimizer state tensor; -1 otherwise.
     # Sharded replays (memfit.estimate.sharding) resize these by their parameter's shard
     params: list[int] = field(default_factory=list)
+    # the parameter an optimizer-step allocation was computed from (its inputs' parameter, list
+    # item by list item for foreach ops), -1 where none: depth extrapolation
+    # (memfit.estimate.depth) files each temporary under its parameter's block
+    origins: list[int] = field(default_factory=list)
 
     def signature(self) -> tuple[Any, ...]:
         """What must agree between traces of different shapes for their sizes to be fitted."""
@@ -112,6 +116,8 @@ class StorageRecorder(TorchDispatchMode):
         self._parameter_storages: dict[int, int] = {}
         # global allocation id -> the parameter it belongs to (weight casts, gradients, state)
         self.alloc_params: dict[int, int] = {}
+        # global allocation id -> the parameter its inputs belong to (optimizer step only)
+        self.origins: dict[int, int] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
     def set_phase(self, name: str) -> None:
@@ -181,16 +187,54 @@ class StorageRecorder(TorchDispatchMode):
             # a sharded or 16-bit module (FSDP, DeepSpeed) computes with its own 16-bit
             # parameters instead, so the replay must be able to tell these apart
             op = "weight_cast"
-        for leaf in tree_leaves(out):
+        new: list[tuple[int, int]] = []  # (position among the outputs, allocation id)
+        for position, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor):
                 # activations by default; settled to gradient / optimizer state / transient later
                 known = self.alloc_id(leaf)
                 self._track(leaf, CAT["transient"], op)
-                if weight is not None and known is None:
-                    alloc = self.alloc_id(leaf)
-                    if alloc is not None:
+                if known is None and (alloc := self.alloc_id(leaf)) is not None:
+                    new.append((position, alloc))
+                    if weight is not None:
                         self.alloc_params[alloc] = weight
+        if new and self.phase == PHASE["optimizer_step"]:
+            self._link_origins(out, args, kwargs or {}, new)
         return out
+
+    def origin(self, tensor: Any) -> int:
+        """The parameter a tensor belongs to or was computed from; -1 if none."""
+        if not isinstance(tensor, torch.Tensor):
+            return -1
+        key = tensor.untyped_storage()._cdata
+        if key in self._parameter_storages:
+            return self._parameter_storages[key]
+        alloc = self._live.get(key)
+        if alloc is None:
+            return -1
+        return self.alloc_params.get(alloc, self.origins.get(alloc, -1))
+
+    def _link_origins(
+        self, out: Any, args: Any, kwargs: dict[str, Any], new: list[tuple[int, int]]
+    ) -> None:
+        # a foreach op's i-th output comes from the i-th item of its list arguments; any other
+        # op's outputs from the first input that belongs to a parameter
+        inputs = [*args, *kwargs.values()]
+        if isinstance(out, (list, tuple)):
+            lists = [a for a in inputs if isinstance(a, (list, tuple)) and len(a) == len(out)]
+            for position, alloc in new:
+                for items in lists:
+                    if (found := self.origin(items[position])) >= 0:
+                        self.origins[alloc] = found
+                        break
+            if all(alloc in self.origins for _, alloc in new):
+                return
+        found = next(
+            (o for leaf in tree_leaves(inputs) if (o := self.origin(leaf)) >= 0),
+            -1,
+        )
+        if found >= 0:
+            for _, alloc in new:
+                self.origins.setdefault(alloc, found)
 
     def _cast_weight(self, op: str, args: Any) -> int | None:
         """The parameter index when ``op`` casts a registered parameter (a weight copy)."""
@@ -314,6 +358,11 @@ class StepTrace:
     params: list[ParamInfo] = field(default_factory=list)
     resident_params: dict[int, int] = field(default_factory=dict)
     largest_module_parameters: int = 0
+    # what depth extrapolation (memfit.estimate.depth) needs: the layer (the index in the model's
+    # stack of repeated layers) of each FSDP block, -1 for the others (embeddings), and the block
+    # of each initial resident (parameters and buffers), -1 for the root module's
+    block_layers: list[int] = field(default_factory=list)
+    resident_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -391,11 +440,23 @@ def trace_steps(
     model = build_fake_model(config, spec, fake_mode, keeper)
     recorder = StorageRecorder()
     params = list(model.parameters())
+    blocks = fsdp_blocks(model)
+    block_of: dict[int, int] = {}  # storage -> the FSDP block that holds it
+    for block_index, block in enumerate(blocks):
+        for tensor in [*block.parameters(), *block.buffers()]:
+            block_of.setdefault(tensor.untyped_storage()._cdata, block_index)
+    resident_blocks: list[int] = []
     with fake_mode:
         for index, p in enumerate(params):
+            before = len(recorder.sizes)
             recorder.register(p, "parameters", parameter_index=index)
+            if len(recorder.sizes) > before:
+                resident_blocks.append(block_of.get(p.untyped_storage()._cdata, -1))
         for b in model.buffers():
+            before = len(recorder.sizes)
             recorder.register(b, "buffers")
+            if len(recorder.sizes) > before:
+                resident_blocks.append(block_of.get(b.untyped_storage()._cdata, -1))
     parameter_bytes = sum(
         s
         for s, c in zip(recorder.sizes, recorder.categories, strict=True)
@@ -474,6 +535,8 @@ def trace_steps(
     param_infos = _param_infos(model, params, recorder)
     steady_set = set(steady)
     return StepTrace(
+        block_layers=_block_layers(model, blocks),
+        resident_blocks=resident_blocks,
         params=param_infos,
         resident_params={g: i for g, i in recorder.alloc_params.items() if g in steady_set},
         largest_module_parameters=max(
@@ -493,6 +556,24 @@ def trace_steps(
         steady=steady,
         first_optimizer_globals=first_optimizer_globals,
     )
+
+
+def _block_layers(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[int]:
+    """Each block's index in the model's stack of repeated layers (the longest ``ModuleList``
+    made of blocks), -1 for a block outside it (BERT's embeddings)."""
+    index = {id(block): i for i, block in enumerate(blocks)}
+    stack: list[torch.nn.Module] = []
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) > len(stack)
+            and all(id(m) in index for m in module)
+        ):
+            stack = list(module)
+    layers = [-1] * len(blocks)
+    for layer, module in enumerate(stack):
+        layers[index[id(module)]] = layer
+    return layers
 
 
 def _mark_blocks(model: torch.nn.Module, recorder: StorageRecorder) -> None:
@@ -616,6 +697,7 @@ def _segment(
             seg.formulas.append(recorder.formulas[ref])
             seg.categories.append(-1)
             seg.params.append(-1)
+            seg.origins.append(recorder.origins.get(ref, -1))
             seg.events.append((ALLOC, local[ref]))
         elif ref in local:
             alive.discard(ref)

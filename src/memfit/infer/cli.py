@@ -1,12 +1,15 @@
 """The ``memfit predict`` and ``memfit embed`` commands: flags to an :class:`InferConfig`, the
-summary line to stderr. ``memfit.cli`` registers them; errors become its one-line messages and exit
-codes (2 for bad input or usage, 3 when a row does not fit even alone)."""
+summary line to stderr (and, on a terminal, a status line there while they work). ``memfit.cli``
+registers them; errors become its one-line messages and exit codes (2 for bad input or usage, 3
+when a row does not fit even alone)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 import typer
+
+from memfit import progress
 
 Opt = typer.Option
 
@@ -65,28 +68,31 @@ def predict_command(
     cache_dir: CacheDir = None,
 ) -> None:
     """Labels and probabilities (classifier) or per-row loss (causal LM), OOM-guarded."""
-    from memfit.infer.predict import predict
-    from memfit.infer.run import InferConfig
+    # on screen before torch is imported; the run prints nothing until its summary line
+    with progress.status("loading torch and transformers", subject=f"memfit predict {model_dir}"):
+        from memfit.infer.predict import predict
+        from memfit.infer.run import InferConfig
 
-    result = predict(
-        InferConfig(
-            model=model_dir,
-            file=file,
-            output=output,
-            task=task,
-            text_column=text_column,
-            text_pair_column=text_pair_column,
-            id_column=id_column,
-            batch_size=batch_size,
-            gpu_memory=gpu_memory,
-            memory_cap=memory_cap,
-            device=device,
-            max_seq_len=max_seq_len,
-            precision=precision,
-            events=events,
-            cache_dir=cache_dir,
+        progress.report(f"loading the model, predicting every row of {file}")
+        result = predict(
+            InferConfig(
+                model=model_dir,
+                file=file,
+                output=output,
+                task=task,
+                text_column=text_column,
+                text_pair_column=text_pair_column,
+                id_column=id_column,
+                batch_size=batch_size,
+                gpu_memory=gpu_memory,
+                memory_cap=memory_cap,
+                device=device,
+                max_seq_len=max_seq_len,
+                precision=precision,
+                events=events,
+                cache_dir=cache_dir,
+            )
         )
-    )
     typer.echo(result.summary(), err=True)
 
 
@@ -112,26 +118,31 @@ def embed_command(
     cache_dir: CacheDir = None,
 ) -> None:
     """Sentence embeddings of every row (sentence-transformers), OOM-guarded."""
-    from memfit.infer.embed import embed
-    from memfit.infer.run import InferConfig
+    # on screen before torch is imported; the run prints nothing until its summary line
+    with progress.status(
+        "loading torch and sentence-transformers", subject=f"memfit embed {model_dir}"
+    ):
+        from memfit.infer.embed import embed
+        from memfit.infer.run import InferConfig
 
-    result = embed(
-        InferConfig(
-            model=model_dir,
-            file=file,
-            output=output,
-            text_column=text_column,
-            id_column=id_column,
-            batch_size=batch_size,
-            gpu_memory=gpu_memory,
-            memory_cap=memory_cap,
-            device=device,
-            max_seq_len=max_seq_len,
-            precision=precision,
-            prompt_name=prompt_name,
-            normalize=normalize,
-            events=events,
-            cache_dir=cache_dir,
+        progress.report(f"loading the model, embedding every row of {file}")
+        result = embed(
+            InferConfig(
+                model=model_dir,
+                file=file,
+                output=output,
+                text_column=text_column,
+                id_column=id_column,
+                batch_size=batch_size,
+                gpu_memory=gpu_memory,
+                memory_cap=memory_cap,
+                device=device,
+                max_seq_len=max_seq_len,
+                precision=precision,
+                prompt_name=prompt_name,
+                normalize=normalize,
+                events=events,
+                cache_dir=cache_dir,
+            )
         )
-    )
     typer.echo(result.summary(), err=True)

@@ -1,0 +1,829 @@
+"""Trace a few layers, then write out the trace of the whole stack, exactly.
+
+A transformer's step is a prologue (embeddings), L copies of one layer, an epilogue (final norm,
+head, loss), a backward that walks the layers the other way, and an optimizer step whose foreach
+ops each sweep the parameters in model order. Tracing every layer costs time linear in L; the
+event stream of the L-layer model follows from the streams of two shallow ones.
+
+How:
+
+1. **Groups.** Layers are grouped by the period ``p`` of the model's per-layer settings (1 for
+   most models; 2 for Gemma-2's alternating sliding and global attention, 3 for ModernBERT's
+   global attention every third layer), and the shallow depths keep the remainder ``L mod p``:
+   ``D_a = 3p + r`` and ``D_b = D_a + p`` hold the first group, at least one group in the middle
+   and the last group(s).
+2. **Labels.** Every event gets the group it happens in: between the tracer's block marks in the
+   forward and backward (an allocation belongs to the group whose layer is running), by the
+   parameter it was computed from in the optimizer step (foreach ops item by item). References
+   (the allocation an event frees, the parameter a gradient or a state tensor belongs to, a block
+   mark) become relative: ``(target group - this group, index within the target group)``.
+3. **Compress.** A stream is root events and *sweeps*: runs of events of groups 0, 1, …, n-1 (or
+   n-1, …, 0). The first and last group of a sweep stay literal; the middle groups must all be
+   the same run of relative events, the *template*.
+4. **Check, then extrapolate.** The two shallow traces must compress to the same form (one more
+   layer added one more copy of the template, nothing else), and writing out ``D_b`` from the
+   form must give back the traced ``D_b`` exactly, every list of the trace. Then the form is
+   written out at ``L``: the trace a full-depth run would record, allocation for allocation.
+
+Anything that does not fit (a model whose layers do not repeat, an allocation that grows with the
+depth, a reference that skips layers) raises :class:`NotRepeating`, and the caller traces the
+whole model instead and says why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.estimate.trace import (
+    ALLOC,
+    BLOCK,
+    BLOCK_BACKWARD_START,
+    BLOCK_FORWARD_START,
+    CAT,
+    FREE,
+    FREE_PREV,
+    FREE_RES,
+    MARK,
+    ParamInfo,
+    Segment,
+    StepTrace,
+)
+
+# int config attributes that make every n-th layer different (a period of n layers)
+_PERIOD_ATTRIBUTES = (
+    "global_attn_every_n_layers",  # ModernBERT
+    "sliding_window_pattern",  # Gemma-3 (older configs)
+    "interleave_moe_layer_step",  # Llama-4
+    "no_rope_layer_interval",  # Llama-4
+)
+# depths below this many layers are traced whole: two shallow traces would cost as much
+_MIN_GROUPS = 5
+
+
+class NotRepeating(Exception):
+    """The shallow traces do not repeat by layer: trace the whole model instead."""
+
+
+@dataclass(frozen=True)
+class DepthPlan:
+    """How to trace a model of ``depth`` layers from two shallow copies."""
+
+    key: str  # the config.json key of the number of layers
+    depth: int
+    period: int
+    traced: tuple[int, int]  # (D_a, D_b)
+    lists: tuple[str, ...] = ()  # per-layer config lists, cut to the shallow depth
+
+    def groups(self, depth: int) -> int:
+        return -(-depth // self.period)
+
+    @property
+    def suffix(self) -> int:
+        """Groups kept literal at the end: the last, and the one before a partial last group."""
+        return 1 if self.depth % self.period == 0 else 2
+
+
+def plan_depth(config: Any) -> tuple[DepthPlan | None, str]:
+    """A plan for ``config``, or None and why the whole model must be traced."""
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth < 1:
+        return None, "the config names no number of layers (num_hidden_layers)"
+    attribute_map = getattr(config, "attribute_map", {}) or {}
+    key = attribute_map.get("num_hidden_layers", "num_hidden_layers")
+    values = config.to_dict()
+    if values.get(key) != depth:
+        return None, f"the number of layers is not the config key {key!r}"
+    period = 1
+    lists = []
+    for name, value in values.items():
+        if isinstance(value, list) and len(value) == depth and depth > 1:
+            lists.append(name)
+            period = math.lcm(period, _smallest_period(value))
+    for name in _PERIOD_ATTRIBUTES:
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            period = math.lcm(period, value)
+    remainder = depth % period
+    shallow_a = 3 * period + remainder
+    shallow_b = shallow_a + period
+    if period > 1 and depth // period < _MIN_GROUPS:
+        names = ", ".join(lists) or "the per-layer settings"
+        return None, f"the layers differ: {names} repeat only every {period} of {depth} layers"
+    if depth // period < _MIN_GROUPS or depth <= shallow_b:
+        return None, f"{depth} layers are few enough to trace whole"
+    return DepthPlan(key, depth, period, (shallow_a, shallow_b), tuple(lists)), ""
+
+
+def _smallest_period(values: Sequence[Any]) -> int:
+    n = len(values)
+    for p in range(1, n + 1):
+        if all(values[i] == values[i + p] for i in range(n - p)):
+            return p
+    return n
+
+
+def shallow_config(config: Any, plan: DepthPlan, depth: int) -> Any:
+    """A copy of ``config`` with ``depth`` layers (per-layer lists cut to their first ``depth``)."""
+    values = config.to_dict()
+    values[plan.key] = depth
+    for name in plan.lists:
+        values[name] = list(values[name])[:depth]
+    shallow = config.__class__.from_dict(values)
+    if getattr(shallow, "num_hidden_layers", None) != depth:
+        raise NotRepeating(f"could not set the number of layers to {depth}")
+    return shallow
+
+
+# --- labels -------------------------------------------------------------------------------------
+@dataclass
+class _Labels:
+    """Group and index-within-group of everything a trace refers to, for one depth."""
+
+    groups: int
+    period: int
+    block_group: list[int | None]
+    block_ordinal: list[int]
+    param_group: list[int | None]
+    param_ordinal: list[int]
+    alloc_group: list[int | None] = field(default_factory=list)  # by global id
+    alloc_ordinal: list[int] = field(default_factory=list)
+    _counts: dict[int | None, int] = field(default_factory=dict)
+
+    def add_alloc(self, group: int | None) -> None:
+        self.alloc_group.append(group)
+        self.alloc_ordinal.append(self._counts.get(group, 0))
+        self._counts[group] = self._counts.get(group, 0) + 1
+
+    # outside the layers, groups are counted from the end when the last layer ran last (the
+    # head after an ascending sweep), else from the start (the embeddings' backward)
+    from_end: bool = False
+
+    def rel(self, group: int | None, context: int | None) -> Hashable:
+        """``group`` as seen from ``context``: an offset, or a position from either end."""
+        if group is None:
+            return "root"
+        if context is None:
+            # the first and the last group are themselves at every depth
+            if group == 0:
+                return ("start", 0)
+            if group == self.groups - 1 or self.from_end:
+                return ("end", group - self.groups)
+            return ("start", group)
+        return group - context
+
+    def follow(self, context: int | None) -> None:
+        """Note the group an event happened in (where counting from the end starts to apply)."""
+        if context is not None:
+            self.from_end = context == self.groups - 1
+
+    def alloc_ref(self, alloc: int, context: int | None) -> Hashable:
+        # by recency: the k-th latest allocation of its group so far. The first layer allocates
+        # a few things more than the others (a mask on first use), so counting from the start
+        # of a group would make the second layer's references to the first differ
+        group = self.alloc_group[alloc]
+        return (self.rel(group, context), self._counts[group] - 1 - self.alloc_ordinal[alloc])
+
+    def param_ref(self, param: int, context: int | None) -> Hashable:
+        if param < 0:
+            return None
+        return (self.rel(self.param_group[param], context), self.param_ordinal[param])
+
+    def block_ref(self, block: int, context: int | None) -> Hashable:
+        if block < 0:
+            return None
+        return (self.rel(self.block_group[block], context), self.block_ordinal[block])
+
+
+def _ordinals(groups: Sequence[int | None]) -> list[int]:
+    counts: dict[int | None, int] = {}
+    out = []
+    for g in groups:
+        out.append(counts.get(g, 0))
+        counts[g] = counts.get(g, 0) + 1
+    return out
+
+
+def _labels(trace: StepTrace, period: int) -> _Labels:
+    layers = trace.block_layers
+    block_group = [None if layer < 0 else layer // period for layer in layers]
+    n_layers = sum(layer >= 0 for layer in layers)
+    param_group = [None if p.block < 0 else block_group[p.block] for p in trace.params]
+    labels = _Labels(
+        groups=-(-n_layers // period),
+        period=period,
+        block_group=block_group,
+        block_ordinal=_ordinals(block_group),
+        param_group=param_group,
+        param_ordinal=_ordinals(param_group),
+    )
+    return labels
+
+
+class _Formula:
+    """A size formula, compared by name (as ``Segment.signature`` does), carried along."""
+
+    __slots__ = ("function", "name")
+
+    def __init__(self, function: Callable[..., int]) -> None:
+        self.function = function
+        self.name = getattr(function, "__qualname__", repr(function))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Formula) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+# An item of a stream: (the group it happens in, or None; a token that no longer names depths)
+Item = tuple[int | None, Any]
+
+
+def _segment_contexts(
+    seg: Segment, labels: _Labels, trace: StepTrace, optimizer: bool
+) -> list[int | None]:
+    """The group each event of ``seg`` happens in (before its allocations are labelled)."""
+    layers = trace.block_layers
+    period = labels.period
+    contexts: list[int | None] = []
+    if optimizer:
+        return contexts  # decided while labelling: by origin, and sticky
+    open_layers: list[int] = []
+    last_closed: int | None = None
+    pending: list[int] = []  # events with no open layer since the last close
+    for position, (kind, ref) in enumerate(seg.events):
+        if kind == BLOCK and layers[ref // 4] >= 0:
+            layer, stage = layers[ref // 4], ref % 4
+            if stage in (BLOCK_FORWARD_START, BLOCK_BACKWARD_START):
+                # a gap between two neighbouring layers belongs to the earlier one
+                if not open_layers and last_closed is not None and abs(layer - last_closed) == 1:
+                    for i in pending:
+                        contexts[i] = last_closed // period
+                pending = []
+                open_layers.append(layer)
+                contexts.append(layer // period)
+            else:
+                for i in range(len(open_layers) - 1, -1, -1):
+                    if open_layers[i] == layer:
+                        del open_layers[i]
+                        break
+                # an end mark belongs to the layer still running (the backward of the layer
+                # below starts before this one's ends), else to the one it ends
+                contexts.append((open_layers[-1] if open_layers else layer) // period)
+                if not open_layers:
+                    last_closed, pending = layer, []
+            continue
+        if kind == MARK:
+            last_closed, pending = None, []
+        if open_layers:
+            contexts.append(open_layers[-1] // period)
+        else:
+            contexts.append(None)
+            pending.append(position)
+    return contexts
+
+
+def _streams(trace: StepTrace, labels: _Labels, steps: int) -> dict[str, list[Item]]:
+    """Every list of the trace as a stream of items; labels every allocation on the way."""
+    streams: dict[str, list[Item]] = {}
+    blocks: list[Item] = []
+    for b, group in enumerate(labels.block_group):
+        layer = trace.block_layers[b]
+        blocks.append((group, ("block", None if layer < 0 else layer % labels.period)))
+    streams["blocks"] = blocks
+
+    n_initial = len(trace.initial)
+    param_of_alloc = {p.alloc: i for i, p in enumerate(trace.params)}
+    residents: list[Item] = []
+    for g in range(n_initial):
+        block = trace.resident_blocks[g]
+        group = None if block < 0 else labels.block_group[block]
+        labels.add_alloc(group)
+    for g in range(n_initial):
+        group = labels.alloc_group[g]
+        token: Any = (
+            "resident",
+            trace.resident_sizes[g],
+            trace.resident_categories[g],
+            labels.param_ref(param_of_alloc.get(g, -1), group),
+            labels.block_ref(trace.resident_blocks[g], group),
+        )
+        residents.append((group, token))
+    streams["residents"] = residents
+
+    params: list[Item] = []
+    for i, p in enumerate(trace.params):
+        group = labels.param_group[i]
+        token = (
+            "param",
+            p.shape,
+            p.itemsize,
+            p.trainable,
+            labels.alloc_ref(p.alloc, group) if p.alloc >= 0 else None,
+            labels.block_ref(p.block, group),
+        )
+        params.append((group, token))
+    streams["params"] = params
+
+    base = n_initial
+    for index, (shape, fb, opt) in enumerate(trace.steps[:steps]):
+        fb_base = base
+        streams[f"{index}.fb"] = _segment_stream(fb, base, None, labels, trace, False)
+        base += len(fb.sizes)
+        if opt is not None:
+            streams[f"{index}.opt"] = _segment_stream(opt, base, fb_base, labels, trace, True)
+            base += len(opt.sizes)
+        streams[f"{index}.shape"] = [(None, ("shape", shape, opt is not None))]
+    return streams
+
+
+def _segment_stream(
+    seg: Segment,
+    base: int,
+    fb_base: int | None,
+    labels: _Labels,
+    trace: StepTrace,
+    optimizer: bool,
+) -> list[Item]:
+    contexts = _segment_contexts(seg, labels, trace, optimizer)
+    swept: dict[int, int] = {}  # position -> group: frees outside the layers that sweep them
+    items: list[Item] = []
+    sticky: int | None = None  # the previous event's group (optimizer step)
+    last = labels.groups - 1
+    for position, (kind, ref) in enumerate(seg.events):
+        if kind == ALLOC:
+            if optimizer:
+                origin = seg.origins[ref] if seg.origins else -1
+                owner = seg.params[ref] if seg.params[ref] >= 0 else origin
+                context = labels.param_group[owner] if owner >= 0 else sticky
+            else:
+                context = contexts[position]
+            labels.add_alloc(context)
+            formula = seg.formulas[ref]
+            token: Any = (
+                "alloc",
+                seg.sizes[ref],
+                seg.categories[ref],
+                seg.ops[ref],
+                seg.shapes[ref],
+                seg.itemsizes[ref],
+                None if formula is None else _Formula(formula),
+                labels.param_ref(seg.params[ref], context),
+                labels.param_ref(seg.origins[ref] if seg.origins else -1, context),
+            )
+        elif kind in (FREE, FREE_PREV, FREE_RES):
+            if kind == FREE:
+                target = base + ref
+            elif kind == FREE_PREV:
+                if fb_base is None:
+                    raise NotRepeating("a forward/backward frees an earlier segment")
+                target = fb_base + ref
+            else:
+                target = ref
+            if target >= len(labels.alloc_group):
+                raise NotRepeating("a free before its allocation")
+            if not optimizer and contexts[position] is None and position not in swept:
+                swept |= _free_sweep(seg, position, contexts, base, labels)
+            if optimizer:
+                context = labels.alloc_group[target]
+                # a for-loop optimizer frees the previous parameter's temporaries while it
+                # works on the next one (a reassigned variable): a free of the group before,
+                # between two events of this group, goes with this group
+                if context != sticky and _precedes(context, sticky, last):
+                    following = _next_group(seg, position + 1, base, fb_base, labels)
+                    if following == sticky:
+                        context = sticky
+            else:
+                context = swept.get(position, contexts[position])
+            token = (kind, labels.alloc_ref(target, context))
+        elif kind == BLOCK:
+            context = contexts[position] if not optimizer else sticky
+            token = ("mark-block", ref % 4, labels.block_ref(ref // 4, context))
+        else:
+            context = contexts[position] if not optimizer else None
+            token = ("mark", kind, ref)
+        if optimizer:
+            # an allocation no parameter explains (a scalar) goes with the event before it
+            sticky = context
+        labels.follow(context)
+        items.append((context, token))
+    labels.from_end = False
+    return items
+
+
+_UNKNOWN = object()
+
+
+def _free_sweep(
+    seg: Segment, start: int, contexts: list[int | None], base: int, labels: _Labels
+) -> dict[int, int]:
+    """Frees outside the layers that release something of every layer in order (autocast's
+    cache of weight copies, emptied as the forward ends): each goes with its layer's group."""
+    groups: dict[int, int] = {}
+    position = start
+    while (
+        position < len(seg.events)
+        and seg.events[position][0] in (FREE, FREE_RES)
+        and contexts[position] is None
+    ):
+        kind, ref = seg.events[position]
+        target = base + ref if kind == FREE else ref
+        group = labels.alloc_group[target] if target < len(labels.alloc_group) else None
+        if group is not None:
+            groups[position] = group
+        position += 1
+    values = list(groups.values())
+    order = [g for i, g in enumerate(values) if i == 0 or g != values[i - 1]]
+    every = list(range(labels.groups))
+    if order == every or order == every[::-1]:
+        return groups
+    return {}
+
+
+def _precedes(group: int | None, context: int | None, last: int) -> bool:
+    """Whether ``group`` comes right before ``context`` in a sweep up the layers."""
+    if context is None:
+        return group == last
+    if group is None:
+        return context == 0
+    return group == context - 1
+
+
+def _next_group(
+    seg: Segment, position: int, base: int, fb_base: int | None, labels: _Labels
+) -> Any:
+    """The group of the optimizer event at ``position`` as far as it is known before labelling."""
+    if position >= len(seg.events):
+        return _UNKNOWN
+    kind, ref = seg.events[position]
+    if kind == ALLOC:
+        owner = seg.params[ref] if seg.params[ref] >= 0 else (seg.origins or [-1] * (ref + 1))[ref]
+        return labels.param_group[owner] if owner >= 0 else _UNKNOWN
+    if kind in (FREE, FREE_PREV, FREE_RES):
+        target = base + ref if kind == FREE else ref if kind == FREE_RES else (fb_base or 0) + ref
+        return labels.alloc_group[target] if target < len(labels.alloc_group) else _UNKNOWN
+    return None
+
+
+# --- compress and write out ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Sweep:
+    step: int  # +1 ascending groups, -1 descending
+    head: tuple[tuple[Hashable, ...], ...]  # the literal runs before the template, sweep order
+    template: tuple[Hashable, ...]
+    tail: tuple[tuple[Hashable, ...], ...]
+    # the first run is the previous sweep's last (a sweep that turns back at the end group:
+    # the foreach temporaries of every parameter freed in reverse, then the next op's)
+    joined: bool = False
+
+
+def _compress(items: list[Item], groups: int, suffix: int) -> tuple[Hashable, ...]:
+    runs: list[tuple[int | None, list[Hashable]]] = []
+    for context, token in items:
+        if runs and runs[-1][0] == context:
+            runs[-1][1].append(token)
+        else:
+            runs.append((context, [token]))
+    out: list[Hashable] = []
+    i = 0
+    joined = False
+    while i < len(runs):
+        context, tokens = runs[i]
+        if context is None:
+            out.append(("root", tuple(tokens)))
+            i += 1
+            continue
+        if context == 0 and not (joined and groups - 1 == 0):
+            step = 1
+        elif context == groups - 1:
+            step = -1
+        else:
+            raise NotRepeating(f"a sweep over the layers starts in the middle (group {context})")
+        sweep: list[tuple[Hashable, ...]] = []
+        expected = context
+        while i < len(runs) and runs[i][0] == expected and len(sweep) < groups:
+            sweep.append(tuple(runs[i][1]))
+            expected += step
+            i += 1
+        if len(sweep) != groups:
+            raise NotRepeating("a sweep over the layers skips some of them")
+        was_joined = joined
+        # a sweep that turns back: its last run is also the first of the next one
+        end = groups - 1 if step == 1 else 0
+        joined = i < len(runs) and runs[i][0] == end - step
+        if joined:
+            i -= 1
+        # literal: group 0 and the last ``suffix`` groups; the rest must be one template
+        by_group = sweep if step == 1 else sweep[::-1]
+        middle = by_group[1 : groups - suffix]
+        if not middle or any(run != middle[0] for run in middle[1:]):
+            raise NotRepeating("the layers in the middle do not repeat")
+        head_groups = [0] if step == 1 else list(range(groups - 1, groups - 1 - suffix, -1))
+        tail_groups = list(range(groups - suffix, groups)) if step == 1 else [0]
+        out.append(
+            _Sweep(
+                step,
+                tuple(by_group[g] for g in head_groups),
+                middle[0],
+                tuple(by_group[g] for g in tail_groups),
+                was_joined,
+            )
+        )
+    return tuple(out)
+
+
+def _expand(form: tuple[Hashable, ...], groups: int, suffix: int) -> list[Item]:
+    items: list[Item] = []
+    for part in form:
+        if isinstance(part, _Sweep):
+            middle = list(range(1, groups - suffix))
+            if part.step == 1:
+                order = [(0, part.head[0])]
+                order += [(g, part.template) for g in middle]
+                order += [(groups - suffix + k, run) for k, run in enumerate(part.tail)]
+            else:
+                order = [(groups - 1 - k, run) for k, run in enumerate(part.head)]
+                order += [(g, part.template) for g in reversed(middle)]
+                order += [(0, part.tail[0])]
+            for group, run in order[1:] if part.joined else order:
+                items.extend((group, token) for token in run)
+        else:
+            root_tokens: tuple[Any, ...] = part[1]  # type: ignore[index]
+            items.extend((None, token) for token in root_tokens)
+    return items
+
+
+class _Writer:
+    """Turns expanded streams back into a :class:`StepTrace` of ``groups`` groups."""
+
+    def __init__(self, groups: int, period: int) -> None:
+        self.groups = groups
+        self.period = period
+        self.block_index: dict[tuple[int | None, int], int] = {}
+        self.param_index: dict[tuple[int | None, int], int] = {}
+        self.alloc_index: dict[tuple[int | None, int], int] = {}
+        self._alloc_counts: dict[int | None, int] = {}
+        self.sizes: list[int] = []
+        self.categories: list[int] = []
+
+    def resolve(self, rel: Hashable, context: int | None) -> int | None:
+        if rel == "root":
+            return None
+        if isinstance(rel, tuple):
+            where, value = rel
+            return value if where == "start" else self.groups + value
+        if context is None:
+            raise NotRepeating("a relative reference outside the layers")
+        assert isinstance(rel, int)
+        return context + rel
+
+    def lookup(
+        self, table: dict[tuple[int | None, int], int], ref: Any, context: int | None
+    ) -> int:
+        if ref is None:
+            return -1
+        rel, ordinal = ref
+        key = (self.resolve(rel, context), ordinal)
+        if key not in table:
+            raise NotRepeating("a reference to something the extrapolated model does not have")
+        return table[key]
+
+    def lookup_alloc(self, ref: Any, context: int | None) -> int:
+        rel, recency = ref
+        group = self.resolve(rel, context)
+        key = (group, self._alloc_counts.get(group, 0) - 1 - recency)
+        if key not in self.alloc_index:
+            raise NotRepeating("a reference to something the extrapolated model does not have")
+        return self.alloc_index[key]
+
+    def new_alloc(self, group: int | None, size: int, category: int) -> int:
+        ordinal = self._alloc_counts.get(group, 0)
+        self._alloc_counts[group] = ordinal + 1
+        index = len(self.sizes)
+        self.alloc_index[(group, ordinal)] = index
+        self.sizes.append(size)
+        self.categories.append(category)
+        return index
+
+    def write(self, streams: dict[str, list[Item]], template: StepTrace) -> StepTrace:
+        block_layers: list[int] = []
+        counts: dict[int | None, int] = {}
+        for group, (_, offset) in streams["blocks"]:
+            ordinal = counts.get(group, 0)
+            counts[group] = ordinal + 1
+            self.block_index[(group, ordinal)] = len(block_layers)
+            block_layers.append(-1 if group is None else group * self.period + offset)
+
+        counts = {}
+        params_stream = streams["params"]
+        for i, (group, _) in enumerate(params_stream):
+            ordinal = counts.get(group, 0)
+            counts[group] = ordinal + 1
+            self.param_index[(group, ordinal)] = i
+
+        resident_blocks: list[int] = []
+        param_links: dict[int, int] = {}
+        for group, token in streams["residents"]:
+            _, size, category, param_ref, block_ref = token
+            g = self.new_alloc(group, size, category)
+            resident_blocks.append(self.lookup(self.block_index, block_ref, group))
+            if param_ref is not None:
+                param_links[g] = self.lookup(self.param_index, param_ref, group)
+        n_initial = len(self.sizes)
+        parameter_bytes = sum(
+            s for s, c in zip(self.sizes, self.categories, strict=True) if c == CAT["parameters"]
+        )
+
+        params: list[ParamInfo] = []
+        for group, token in params_stream:
+            _, shape, itemsize, trainable, alloc_ref, block_ref = token
+            alloc = -1 if alloc_ref is None else self.lookup_alloc(alloc_ref, group)
+            block = self.lookup(self.block_index, block_ref, group)
+            params.append(ParamInfo(alloc, shape, itemsize, trainable, block))
+
+        steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
+        segment_params: dict[int, int] = {}  # global id -> parameter, from the segments
+        first_optimizer_globals: list[int] = []
+        steady: list[int] = []
+        index = 0
+        while f"{index}.fb" in streams:
+            (_, (_, shape, has_opt)) = streams[f"{index}.shape"][0]
+            live = set(range(n_initial)) if index == 0 else set()
+            fb_base = len(self.sizes)
+            fb = self._segment(streams[f"{index}.fb"], None, segment_params, live)
+            opt = None
+            if has_opt:
+                opt_base = len(self.sizes)
+                opt = self._segment(streams[f"{index}.opt"], fb_base, segment_params, live)
+                if index == 0:
+                    first_optimizer_globals = list(range(opt_base, len(self.sizes)))
+            if index == 0:
+                steady = sorted(live)
+            steps.append((shape, fb, opt))
+            index += 1
+
+        links = param_links | segment_params
+        trainable = [p for p in params if p.trainable]
+        return StepTrace(
+            resident_sizes=list(self.sizes),
+            resident_categories=list(self.categories),
+            steps=steps,
+            num_parameters=sum(p.numel for p in params),
+            parameter_bytes=parameter_bytes,
+            trainable_parameters=sum(p.numel for p in trainable),
+            trainable_gradient_bytes=sum(p.numel * p.itemsize for p in trainable),
+            initial=list(range(n_initial)),
+            steady=steady,
+            first_optimizer_globals=first_optimizer_globals,
+            params=params,
+            resident_params={g: links[g] for g in steady if g in links},
+            largest_module_parameters=template.largest_module_parameters,
+            block_layers=block_layers,
+            resident_blocks=resident_blocks,
+        )
+
+    def _segment(
+        self,
+        items: list[Item],
+        fb_base: int | None,
+        segment_params: dict[int, int],
+        live: set[int],
+    ) -> Segment:
+        seg = Segment()
+        base = len(self.sizes)
+        for context, token in items:
+            kind = token[0]
+            if kind == "alloc":
+                (_, size, category, op, shape, itemsize, formula, param_ref, origin_ref) = token
+                g = self.new_alloc(context, size, category)
+                local = g - base
+                seg.events.append((ALLOC, local))
+                seg.sizes.append(size)
+                seg.categories.append(category)
+                seg.ops.append(op)
+                seg.shapes.append(shape)
+                seg.itemsizes.append(itemsize)
+                seg.formulas.append(None if formula is None else formula.function)
+                param = self.lookup(self.param_index, param_ref, context)
+                seg.params.append(param)
+                seg.origins.append(self.lookup(self.param_index, origin_ref, context))
+                if param >= 0:
+                    segment_params[g] = param
+                live.add(g)
+            elif kind in (FREE, FREE_PREV, FREE_RES):
+                target = self.lookup_alloc(token[1], context)
+                if kind == FREE:
+                    ref = target - base
+                elif kind == FREE_PREV:
+                    assert fb_base is not None
+                    ref = target - fb_base
+                else:
+                    ref = target
+                if ref < 0:
+                    raise NotRepeating("a free refers outside its segment")
+                seg.events.append((kind, ref))
+                live.discard(target)
+            elif kind == "mark-block":
+                _, stage, block_ref = token
+                block = self.lookup(self.block_index, block_ref, context)
+                seg.events.append((BLOCK, block * 4 + stage))
+            else:
+                _, mark_kind, ref = token
+                seg.events.append((mark_kind, ref))
+        return seg
+
+
+def _forms(trace: StepTrace, plan: DepthPlan, steps: int) -> tuple[dict[str, Any], _Labels]:
+    labels = _labels(trace, plan.period)
+    if labels.groups < 3:
+        raise NotRepeating("too few layers traced")
+    streams = _streams(trace, labels, steps)
+    forms = {name: _compress(items, labels.groups, plan.suffix) for name, items in streams.items()}
+    return forms, labels
+
+
+def _write(forms: dict[str, Any], plan: DepthPlan, depth: int, template: StepTrace) -> StepTrace:
+    groups = plan.groups(depth)
+    streams = {name: _expand(form, groups, plan.suffix) for name, form in forms.items()}
+    return _Writer(groups, plan.period).write(streams, template)
+
+
+def extrapolate(shallow: StepTrace, deeper: StepTrace, plan: DepthPlan) -> StepTrace:
+    """The trace of ``plan.depth`` layers from traces of ``plan.traced`` layers.
+
+    ``deeper`` may hold fewer steps than ``shallow`` (the first ones): it is the check. Raises
+    :class:`NotRepeating` where the two do not differ by exactly one more copy of the template.
+    """
+    checked = len(deeper.steps)
+    forms_a, _ = _forms(shallow, plan, len(shallow.steps))
+    forms_b, _ = _forms(deeper, plan, checked)
+    for name, form in forms_b.items():
+        if forms_a.get(name) != form:
+            raise NotRepeating(f"one more layer changed more than one layer's events ({name})")
+    check_names = {name: forms_a[name] for name in forms_b}
+    rebuilt = _write(check_names, plan, plan.traced[1], shallow)
+    if not same_trace(rebuilt, deeper):
+        raise NotRepeating(f"the {plan.traced[1]}-layer trace was not written back exactly")
+    if shallow.largest_module_parameters != deeper.largest_module_parameters:
+        raise NotRepeating("the largest module differs between depths")
+    return _write(forms_a, plan, plan.depth, shallow)
+
+
+def same_trace(a: StepTrace, b: StepTrace) -> bool:
+    """Equal in everything the estimator reads (the steps both hold)."""
+    steps = min(len(a.steps), len(b.steps))
+    if len(a.steps) != len(b.steps):
+        # the resident list runs through every traced step: compare what both have
+        a_n = _allocs_through(a, steps)
+        b_n = _allocs_through(b, steps)
+        if a_n != b_n:
+            return False
+    else:
+        a_n = len(a.resident_sizes)
+    for x, y in zip(a.steps[:steps], b.steps[:steps], strict=True):
+        if x[0] != y[0] or not _same_segment(x[1], y[1]):
+            return False
+        if (x[2] is None) != (y[2] is None):
+            return False
+        if x[2] is not None and y[2] is not None and not _same_segment(x[2], y[2]):
+            return False
+    return (
+        a.resident_sizes[:a_n] == b.resident_sizes[:a_n]
+        and a.resident_categories[:a_n] == b.resident_categories[:a_n]
+        and a.initial == b.initial
+        and a.steady == b.steady
+        and a.first_optimizer_globals == b.first_optimizer_globals
+        and a.params == b.params
+        and a.resident_params == b.resident_params
+        and a.num_parameters == b.num_parameters
+        and a.parameter_bytes == b.parameter_bytes
+        and a.trainable_parameters == b.trainable_parameters
+        and a.trainable_gradient_bytes == b.trainable_gradient_bytes
+        and a.block_layers == b.block_layers
+        and a.resident_blocks == b.resident_blocks
+    )
+
+
+def _allocs_through(trace: StepTrace, steps: int) -> int:
+    n = len(trace.initial)
+    for _, fb, opt in trace.steps[:steps]:
+        n += len(fb.sizes) + (len(opt.sizes) if opt is not None else 0)
+    return n
+
+
+def _same_segment(a: Segment, b: Segment) -> bool:
+    return (
+        a.events == b.events
+        and a.sizes == b.sizes
+        and a.categories == b.categories
+        and a.ops == b.ops
+        and a.shapes == b.shapes
+        and a.itemsizes == b.itemsizes
+        and a.params == b.params
+        and a.origins == b.origins
+        and [getattr(f, "__qualname__", None) for f in a.formulas]
+        == [getattr(f, "__qualname__", None) for f in b.formulas]
+    )
