@@ -41,11 +41,6 @@ TraceDepth = Annotated[
 ]
 
 
-def _trace_depth_knob(trace_depth: str) -> dict[str, Any]:
-    """``trace_depth=`` for the estimate and plan API, left out at its default ("auto")."""
-    return {"trace_depth": trace_depth} if trace_depth != "auto" else {}
-
-
 def _trace_depth_line(details: dict[str, Any]) -> str | None:
     """One line on how many layers the estimate traced (``details["trace_depth"]``), if it says."""
     info = details.get("trace_depth")
@@ -199,7 +194,7 @@ def estimate_command(
             sharding=sharding,
             gpu=gpu,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            **_trace_depth_knob(trace_depth),
+            trace_depth=trace_depth,
         )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
@@ -341,7 +336,7 @@ def plan_command(
             data_profile=profile,
             safety_margin=safety_margin,
             num_labels=num_labels,
-            **_trace_depth_knob(trace_depth),
+            trace_depth=trace_depth,
         )
     if seq_len_note is not None:
         result.explanation.insert(0, seq_len_note)

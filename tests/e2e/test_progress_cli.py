@@ -131,8 +131,7 @@ def test_trace_depth_reaches_the_api(
     module: str,
     argv: list[str],
 ) -> None:
-    # auto is the API's default: left out, so the CLI works with or without the parameter
-    assert "trace_depth" not in _calls(monkeypatch, capsys, module, argv)
+    assert _calls(monkeypatch, capsys, module, argv)["trace_depth"] == "auto"
     full = _calls(monkeypatch, capsys, module, [*argv, "--trace-depth", "full"])
     assert full["trace_depth"] == "full"
 

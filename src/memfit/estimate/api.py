@@ -274,7 +274,7 @@ def estimate(
         spec = dataclasses.replace(spec, cached_chunks=min(chunks, 2))
         traced_batch = mini
         extra_rows = batch_size - mini * spec.cached_chunks
-    traced = _traced(model_spec, spec, trace_depth)
+    traced = _traced(model_spec, spec, trace_depth, (traced_batch, seq_len))
     world = world_size or 1
     peak = traced.replay(
         traced_batch,
@@ -373,6 +373,9 @@ class _Traced:
     method: str = "fitted"
     max_positions: int = 512
     variant_key: tuple[bool, bool] | None = None
+    # the (batch of one, aligned length) kind of shape this trace fits itself: the kind the first
+    # estimate asked for (a batch-1 job traces the batch-1 fit only)
+    home_key: tuple[bool, bool] = (False, True)
     # how deep the model was traced (``details["trace_depth"]``) and what was asked
     depth: dict[str, Any] = field(default_factory=dict)
     trace_depth: str = "auto"
@@ -439,7 +442,7 @@ class _Traced:
         if self.variant_key is not None:
             return self
         key = (batch_size == 1, seq_len % 8 == 0)
-        if key == (False, True):
+        if key == self.home_key:
             return self
         if key not in self._variants:
             if _ONLY_CACHED.get():
@@ -519,81 +522,29 @@ _CACHE: dict[tuple[str, StepSpec, str], _Traced] = {}
 _LOCK = threading.Lock()
 
 
-def _disk_path(key: tuple[str, StepSpec, str]) -> Any:
-    """Where a trace is kept between processes; None when the disk cache is off.
+def _disk_load(key: tuple[str, StepSpec, str], config: Any) -> _Traced | None:
+    """The trace of ``key`` from the disk cache (data only: see :mod:`memfit.estimate.cache`)."""
+    from memfit.estimate import cache
 
-    The file name hashes the model's config, the knobs, the torch and transformers versions and
-    memfit's own estimator source, so a changed model, library or estimator never reads a stale
-    trace. ``MEMFIT_CACHE_DIR`` moves the cache (default ``~/.cache/memfit``);
-    ``MEMFIT_NO_CACHE=1`` turns it off.
-    """
-    import hashlib
-    import os
-    from pathlib import Path
-
-    import transformers
-
-    if os.environ.get("MEMFIT_NO_CACHE", "") not in ("", "0"):
-        return None
-    root = Path(os.environ.get("MEMFIT_CACHE_DIR") or Path.home() / ".cache" / "memfit")
-    digest = hashlib.sha256(
-        repr((key, torch.__version__, transformers.__version__, _source_digest())).encode()
-    ).hexdigest()[:32]
-    return root / "traces" / f"{digest}.pkl"
-
-
-_SOURCE_DIGEST: list[str] = []
-
-
-def _source_digest() -> str:
-    import hashlib
-    from pathlib import Path
-
-    if not _SOURCE_DIGEST:
-        h = hashlib.sha256()
-        for path in sorted(Path(__file__).parent.glob("*.py")):
-            h.update(path.read_bytes())
-        _SOURCE_DIGEST.append(h.hexdigest())
-    return _SOURCE_DIGEST[0]
-
-
-def _disk_load(key: tuple[str, StepSpec, str]) -> _Traced | None:
-    import pickle
-
-    path = _disk_path(key)
+    path = cache.path_for(key)
     if path is None or not path.is_file():
         return None
-    try:
-        # only files memfit wrote itself, in its own cache folder, are ever read back
-        with path.open("rb") as handle:
-            traced = pickle.load(handle)
-    except Exception:  # a damaged or foreign file: trace again
-        return None
-    return traced if isinstance(traced, _Traced) else None
+    return cache.read(path, config, _Traced)
 
 
 def save_traces() -> None:
     """Write every trace that gained something since it was loaded to the disk cache."""
-    import os
-    import pickle
-    import tempfile
+    from memfit.estimate import cache
 
     with _LOCK:
         for key, traced in _CACHE.items():
             if not traced.changed():
                 continue
-            path = _disk_path(key)
+            path = cache.path_for(key)
             if path is None:
                 return
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
+            if cache.write(path, traced):
                 traced.mark_saved()
-                fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-                with os.fdopen(fd, "wb") as handle:
-                    pickle.dump(traced, handle, protocol=pickle.HIGHEST_PROTOCOL)
-                os.replace(tmp, path)  # never a half-written cache file
-            except OSError:
-                traced._dirty = True  # a read-only home: keep working without the cache
 
 
 class NotTraced(Exception):
@@ -615,16 +566,20 @@ def is_traced(model: str, **knobs: Any) -> bool:
     return True
 
 
-def _traced(model_spec: Any, spec: StepSpec, trace_depth: str = "auto") -> _Traced:
+def _traced(model_spec: Any, spec: StepSpec, trace_depth: str, shape: tuple[int, int]) -> _Traced:
+    """The traces of a model and knobs; a first trace fits the kind of ``shape`` asked."""
     key = (model_spec.cache_key(), spec, trace_depth)
     with _LOCK:
-        if key not in _CACHE and (loaded := _disk_load(key)) is not None:
+        if key not in _CACHE and (loaded := _disk_load(key, model_spec.config)) is not None:
             _CACHE[key] = loaded
         if key not in _CACHE and _ONLY_CACHED.get():
             raise NotTraced
         if key not in _CACHE:
             started = time.perf_counter()
-            check, grid, second = grid_shapes(model_spec.max_positions)
+            home = (shape[0] == 1, shape[1] % 8 == 0)
+            check, grid, second = grid_shapes(
+                model_spec.max_positions, batch_size=1 if home[0] else None, aligned=home[1]
+            )
             trace, depth = _trace(model_spec.config, spec, [check, *grid, second], trace_depth)
             fitted = fit_trace(trace)
             _CACHE[key] = _Traced(
@@ -638,6 +593,7 @@ def _traced(model_spec: Any, spec: StepSpec, trace_depth: str = "auto") -> _Trac
                 model_spec.max_positions,
                 depth=depth,
                 trace_depth=trace_depth,
+                home_key=home,
             )
         return _CACHE[key]
 
@@ -670,6 +626,8 @@ def _trace(
             deeper = _run_trace(depth_.shallow_config(config, plan, shallow_b), spec, shapes[:2])
             progress.report(f"writing out the trace of {layers} layers")
             trace = depth_.extrapolate(shallow, deeper, plan)
+            with torch.device("meta"):
+                depth_.check_model(trace, workload.build_model(config, spec), plan)
             return trace, {
                 "mode": "extrapolated",
                 "depth": plan.depth,
@@ -678,6 +636,8 @@ def _trace(
             }
         except depth_.NotRepeating as exc:
             reason = f"the layers do not repeat: {exc}"
+        except Exception as exc:  # a config that cannot be cut short, a shallow model that fails
+            reason = f"a shallow copy could not be traced ({type(exc).__name__}: {exc})"
     progress.report(f"tracing all {layers} layers ({len(shapes)} shapes)")
     info: dict[str, Any] = {"mode": "full", "depth": layers, "reason": reason}
     return _run_trace(config, spec, shapes), info

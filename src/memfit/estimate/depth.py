@@ -99,6 +99,9 @@ def plan_depth(config: Any) -> tuple[DepthPlan | None, str]:
     period = 1
     lists = []
     for name, value in values.items():
+        layer_keyed = isinstance(value, dict) and value and all(str(k).isdigit() for k in value)
+        if layer_keyed and "layer" in name:
+            return None, f"the config sets {name} layer by layer"
         if isinstance(value, list) and len(value) == depth and depth > 1:
             lists.append(name)
             period = math.lcm(period, _smallest_period(value))
@@ -229,7 +232,8 @@ class _Formula:
 
     def __init__(self, function: Callable[..., int]) -> None:
         self.function = function
-        self.name = getattr(function, "__qualname__", repr(function))
+        # a functools.partial has no __qualname__: its repr names the function and arguments
+        self.name = getattr(function, "__qualname__", None) or repr(function)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Formula) and other.name == self.name
@@ -288,6 +292,8 @@ def _segment_contexts(
 
 def _streams(trace: StepTrace, labels: _Labels, steps: int) -> dict[str, list[Item]]:
     """Every list of the trace as a stream of items; labels every allocation on the way."""
+    if _allocs_through(trace, len(trace.steps)) != len(trace.resident_sizes):
+        raise NotRepeating("allocations outside the traced steps")
     streams: dict[str, list[Item]] = {}
     blocks: list[Item] = []
     for b, group in enumerate(labels.block_group):
@@ -350,13 +356,14 @@ def _segment_stream(
 ) -> list[Item]:
     contexts = _segment_contexts(seg, labels, trace, optimizer)
     swept: dict[int, int] = {}  # position -> group: frees outside the layers that sweep them
+    swept_to = 0  # the run of frees examined last ends here
     items: list[Item] = []
     sticky: int | None = None  # the previous event's group (optimizer step)
     last = labels.groups - 1
     for position, (kind, ref) in enumerate(seg.events):
         if kind == ALLOC:
             if optimizer:
-                origin = seg.origins[ref] if seg.origins else -1
+                origin = seg.origins[ref]
                 owner = seg.params[ref] if seg.params[ref] >= 0 else origin
                 context = labels.param_group[owner] if owner >= 0 else sticky
             else:
@@ -372,7 +379,7 @@ def _segment_stream(
                 seg.itemsizes[ref],
                 None if formula is None else _Formula(formula),
                 labels.param_ref(seg.params[ref], context),
-                labels.param_ref(seg.origins[ref] if seg.origins else -1, context),
+                labels.param_ref(seg.origins[ref], context),
             )
         elif kind in (FREE, FREE_PREV, FREE_RES):
             if kind == FREE:
@@ -385,8 +392,9 @@ def _segment_stream(
                 target = ref
             if target >= len(labels.alloc_group):
                 raise NotRepeating("a free before its allocation")
-            if not optimizer and contexts[position] is None and position not in swept:
-                swept |= _free_sweep(seg, position, contexts, base, labels)
+            if not optimizer and contexts[position] is None and position >= swept_to:
+                found, swept_to = _free_sweep(seg, position, contexts, base, labels)
+                swept |= found
             if optimizer:
                 context = labels.alloc_group[target]
                 # a for-loop optimizer frees the previous parameter's temporaries while it
@@ -419,7 +427,7 @@ _UNKNOWN = object()
 
 def _free_sweep(
     seg: Segment, start: int, contexts: list[int | None], base: int, labels: _Labels
-) -> dict[int, int]:
+) -> tuple[dict[int, int], int]:
     """Frees outside the layers that release something of every layer in order (autocast's
     cache of weight copies, emptied as the forward ends): each goes with its layer's group."""
     groups: dict[int, int] = {}
@@ -439,8 +447,8 @@ def _free_sweep(
     order = [g for i, g in enumerate(values) if i == 0 or g != values[i - 1]]
     every = list(range(labels.groups))
     if order == every or order == every[::-1]:
-        return groups
-    return {}
+        return groups, position
+    return {}, position
 
 
 def _precedes(group: int | None, context: int | None, last: int) -> bool:
@@ -460,7 +468,7 @@ def _next_group(
         return _UNKNOWN
     kind, ref = seg.events[position]
     if kind == ALLOC:
-        owner = seg.params[ref] if seg.params[ref] >= 0 else (seg.origins or [-1] * (ref + 1))[ref]
+        owner = seg.params[ref] if seg.params[ref] >= 0 else seg.origins[ref]
         return labels.param_group[owner] if owner >= 0 else _UNKNOWN
     if kind in (FREE, FREE_PREV, FREE_RES):
         target = base + ref if kind == FREE else ref if kind == FREE_RES else (fb_base or 0) + ref
@@ -496,7 +504,7 @@ def _compress(items: list[Item], groups: int, suffix: int) -> tuple[Hashable, ..
             out.append(("root", tuple(tokens)))
             i += 1
             continue
-        if context == 0 and not (joined and groups - 1 == 0):
+        if context == 0:
             step = 1
         elif context == groups - 1:
             step = -1
@@ -568,6 +576,7 @@ class _Writer:
         self._alloc_counts: dict[int | None, int] = {}
         self.sizes: list[int] = []
         self.categories: list[int] = []
+        self.alive: set[int] = set()
 
     def resolve(self, rel: Hashable, context: int | None) -> int | None:
         if rel == "root":
@@ -646,6 +655,7 @@ class _Writer:
 
         steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
         segment_params: dict[int, int] = {}  # global id -> parameter, from the segments
+        self.alive = set(range(n_initial))  # every event must free something alive
         first_optimizer_globals: list[int] = []
         steady: list[int] = []
         index = 0
@@ -713,6 +723,7 @@ class _Writer:
                 if param >= 0:
                     segment_params[g] = param
                 live.add(g)
+                self.alive.add(g)
             elif kind in (FREE, FREE_PREV, FREE_RES):
                 target = self.lookup_alloc(token[1], context)
                 if kind == FREE:
@@ -725,6 +736,9 @@ class _Writer:
                 if ref < 0:
                     raise NotRepeating("a free refers outside its segment")
                 seg.events.append((kind, ref))
+                if target not in self.alive:
+                    raise NotRepeating("an extrapolated free of something not alive")
+                self.alive.discard(target)
                 live.discard(target)
             elif kind == "mark-block":
                 _, stage, block_ref = token
@@ -736,19 +750,84 @@ class _Writer:
         return seg
 
 
-def _forms(trace: StepTrace, plan: DepthPlan, steps: int) -> tuple[dict[str, Any], _Labels]:
+def _forms(trace: StepTrace, plan: DepthPlan, steps: int) -> dict[str, Any]:
     labels = _labels(trace, plan.period)
     if labels.groups < 3:
         raise NotRepeating("too few layers traced")
     streams = _streams(trace, labels, steps)
     forms = {name: _compress(items, labels.groups, plan.suffix) for name, items in streams.items()}
-    return forms, labels
+    return forms
 
 
 def _write(forms: dict[str, Any], plan: DepthPlan, depth: int, template: StepTrace) -> StepTrace:
     groups = plan.groups(depth)
     streams = {name: _expand(form, groups, plan.suffix) for name, form in forms.items()}
     return _Writer(groups, plan.period).write(streams, template)
+
+
+def check_model(trace: StepTrace, model: Any, plan: DepthPlan) -> None:
+    """Hold an extrapolated trace against the model itself, built with every layer (on meta).
+
+    The shallow traces cannot see a layer that differs by its absolute index beyond them (a
+    mixture-of-experts layer from the fourth on, a layer named in a list of indices): its
+    parameters, or the settings its modules keep, differ. Every parameter must be the traced one,
+    and every layer after the first group must be built like the one a period before it.
+    """
+    from memfit.estimate.trace import _block_layers, fsdp_blocks
+
+    blocks = fsdp_blocks(model)
+    block_index: dict[int, int] = {}
+    for index, block in enumerate(blocks):
+        for p in block.parameters():
+            block_index.setdefault(id(p), index)
+    params = [
+        (
+            tuple(int(d) for d in p.shape),
+            p.element_size(),
+            p.requires_grad,
+            block_index.get(id(p), -1),
+        )
+        for p in model.parameters()
+    ]
+    traced = [(p.shape, p.itemsize, p.trainable, p.block) for p in trace.params]
+    if params != traced:
+        raise NotRepeating("the model's parameters are not the extrapolated ones")
+    if _block_layers(model, blocks) != trace.block_layers:
+        raise NotRepeating("the model's layers are not the extrapolated ones")
+    layers = [
+        blocks[b]
+        for b, layer in sorted(enumerate(trace.block_layers), key=lambda x: x[1])
+        if layer >= 0
+    ]
+    signatures = [_layer_signature(layer) for layer in layers]
+    for i in range(2 * plan.period, len(signatures)):
+        if signatures[i] != signatures[i - plan.period]:
+            raise NotRepeating(f"layer {i} is built unlike layer {i - plan.period}")
+
+
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+def _layer_signature(layer: Any) -> tuple[Any, ...]:
+    """What a layer's modules are and keep (settings, parameter shapes), its index left out."""
+    parts = []
+    for name, module in layer.named_modules():
+        settings = tuple(
+            sorted(
+                (key, value)
+                for key, value in vars(module).items()
+                if not key.startswith("_")
+                and "layer_id" not in key
+                and "layer_idx" not in key
+                and (
+                    isinstance(value, _SIMPLE)
+                    or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value))
+                )
+            )
+        )
+        shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False))
+        parts.append((name, type(module).__name__, settings, shapes))
+    return tuple(parts)
 
 
 def extrapolate(shallow: StepTrace, deeper: StepTrace, plan: DepthPlan) -> StepTrace:
@@ -758,8 +837,8 @@ def extrapolate(shallow: StepTrace, deeper: StepTrace, plan: DepthPlan) -> StepT
     :class:`NotRepeating` where the two do not differ by exactly one more copy of the template.
     """
     checked = len(deeper.steps)
-    forms_a, _ = _forms(shallow, plan, len(shallow.steps))
-    forms_b, _ = _forms(deeper, plan, checked)
+    forms_a = _forms(shallow, plan, len(shallow.steps))
+    forms_b = _forms(deeper, plan, checked)
     for name, form in forms_b.items():
         if forms_a.get(name) != form:
             raise NotRepeating(f"one more layer changed more than one layer's events ({name})")
@@ -775,14 +854,12 @@ def extrapolate(shallow: StepTrace, deeper: StepTrace, plan: DepthPlan) -> StepT
 def same_trace(a: StepTrace, b: StepTrace) -> bool:
     """Equal in everything the estimator reads (the steps both hold)."""
     steps = min(len(a.steps), len(b.steps))
-    if len(a.steps) != len(b.steps):
-        # the resident list runs through every traced step: compare what both have
-        a_n = _allocs_through(a, steps)
-        b_n = _allocs_through(b, steps)
-        if a_n != b_n:
-            return False
-    else:
-        a_n = len(a.resident_sizes)
+    # the resident list runs through every traced step: compare what both have
+    a_n = _allocs_through(a, steps)
+    if a_n != _allocs_through(b, steps):
+        return False
+    if len(a.steps) == len(b.steps) and len(a.resident_sizes) != len(b.resident_sizes):
+        return False
     for x, y in zip(a.steps[:steps], b.steps[:steps], strict=True):
         if x[0] != y[0] or not _same_segment(x[1], y[1]):
             return False
@@ -804,6 +881,7 @@ def same_trace(a: StepTrace, b: StepTrace) -> bool:
         and a.trainable_gradient_bytes == b.trainable_gradient_bytes
         and a.block_layers == b.block_layers
         and a.resident_blocks == b.resident_blocks
+        and a.largest_module_parameters == b.largest_module_parameters
     )
 
 
@@ -824,6 +902,6 @@ def _same_segment(a: Segment, b: Segment) -> bool:
         and a.itemsizes == b.itemsizes
         and a.params == b.params
         and a.origins == b.origins
-        and [getattr(f, "__qualname__", None) for f in a.formulas]
-        == [getattr(f, "__qualname__", None) for f in b.formulas]
+        and [None if f is None else _Formula(f) for f in a.formulas]
+        == [None if f is None else _Formula(f) for f in b.formulas]
     )

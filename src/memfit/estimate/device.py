@@ -45,7 +45,7 @@ class _Block:
     segment: int
     free: bool = True
     # the block before this one in its segment (blocks tile a segment), None for the first
-    previous: _Block | None = None
+    previous: _Block | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import UsageError
-from memfit.estimate import workload
+from memfit.estimate import depth, workload
 from memfit.estimate.api import estimate
 from memfit.estimate.prefetch import prefetch
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
@@ -240,6 +240,7 @@ class _Job:
     columns: int
     frugal_precision: str = "fp32"
     sharding: str = "none"
+    trace_depth: str = "auto"
     _estimates: dict[tuple[Knobs, int], int] = field(default_factory=dict)
     _model_states: dict[tuple[Knobs, int], int] = field(default_factory=dict)
 
@@ -278,6 +279,7 @@ class _Job:
             sharding=self.sharding,
             gpu=self.gpu_name,
             **kwargs,
+            **({} if self.trace_depth == "auto" else {"trace_depth": self.trace_depth}),
         )
 
     def peak(self, knobs: Knobs, micro: int) -> int:
@@ -382,6 +384,7 @@ def plan(
     optimizer: str = "adamw",
     attn_implementation: str = "sdpa",
     sharding: str = "none",
+    trace_depth: str = "auto",
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing (and, when allowed, optimizer,
     truncation, LoRA) so that one step fits ``budget × (1 − safety_margin)`` and the effective
@@ -389,6 +392,7 @@ def plan(
 
     ``world_size`` GPUs share the effective batch; ``sharding`` (none | zero1 | zero2 | zero3 |
     fsdp) says how they divide parameters, gradients and optimizer state; the budget is per GPU.
+    ``trace_depth``: as :func:`memfit.estimate`'s (``full`` traces every layer of every knob set).
 
     The budget is ``gpu_memory``, else the memory of the catalog GPU ``gpu``, else the free memory
     of this machine's GPU. Returns a :class:`Plan`; ``plan.fits`` is False (and ``plan.plan`` None)
@@ -469,6 +473,8 @@ def plan(
             f"--effective-batch-size: {effective_batch_size} does not split evenly over "
             f"--world-size {world_size}"
         )
+    if trace_depth not in ("auto", "full"):
+        problems.append(f"--trace-depth: unknown value {trace_depth!r}; choose one of auto, full")
     if problems:
         raise UsageError("; ".join(problems))
     assert model_spec is not None
@@ -522,6 +528,7 @@ def plan(
         shape=cost.model_shape(model_spec.config, spec),
         columns=2 if task == "sentence-embedding" else 1,
         sharding=sharding,
+        trace_depth=trace_depth,
     )
     profile = (
         data_profile
@@ -547,11 +554,14 @@ def plan(
     # 1, which has its own trace), are traced side by side, one worker per knob set
     frugal = {Knobs(p, True, o, min(lengths), max(ranks)) for p in precisions for o in optimizers}
     first = [k for k in combos if k.tier(optimizer, seq_len) == 0 and k not in frugal]
-    prefetch(
-        model,
-        [job.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
-        + [job.estimate_kwargs(k, per_rank) for k in first],
-    )
+    if trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None:
+        # whole-model traces take long enough to be worth a worker process each; shallow ones
+        # (a few seconds) cost less than a worker's start (importing torch and transformers)
+        prefetch(
+            model,
+            [job.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
+            + [job.estimate_kwargs(k, per_rank) for k in first],
+        )
 
     chosen: Candidate | None = None
     evaluated: list[Candidate] = []

@@ -252,3 +252,61 @@ def test_irregular_streams_are_refused() -> None:
     middle = [(0, ("a",)), (1, ("b",)), (2, ("c",)), (3, ("d",))]
     with pytest.raises(depth.NotRepeating, match="do not repeat"):
         depth._compress(middle, 4, 1)
+
+
+def _llama_traces() -> tuple[Any, Any, depth.DepthPlan, workload.StepSpec]:
+    config = _config("llama")
+    spec = workload.StepSpec(task="causal-lm")
+    trace, info = api._trace(config, spec, _shapes(config), "auto")
+    assert info["mode"] == "extrapolated"
+    plan, _ = depth.plan_depth(config)
+    assert plan is not None
+    return config, trace, plan, spec
+
+
+def test_a_layer_unlike_the_traced_ones_is_caught() -> None:
+    """A layer that differs by its absolute index, past the shallow depths, is never traced:
+    the model built with every layer (on meta) must match the extrapolated trace."""
+    import torch
+
+    config, trace, plan, spec = _llama_traces()
+
+    def model() -> Any:
+        with torch.device("meta"):
+            return workload.build_model(config, spec)
+
+    depth.check_model(trace, model(), plan)  # the model as it is: no complaint
+    wider = model()
+    layer = wider.model.layers[5]
+    layer.mlp.up_proj = torch.nn.Linear(64, 256, bias=False, device="meta")
+    with pytest.raises(depth.NotRepeating, match="parameters"):
+        depth.check_model(trace, wider, plan)
+    sliding = model()
+    sliding.model.layers[5].self_attn.sliding_window = 16
+    with pytest.raises(depth.NotRepeating, match="layer 5 is built unlike layer 4"):
+        depth.check_model(trace, sliding, plan)
+
+
+def test_a_failing_shallow_copy_falls_back_to_the_whole_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = _config("bert")
+    spec = workload.StepSpec(task="classification", mode="eval")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("per_layer_config keys must be in range")
+
+    monkeypatch.setattr(depth, "shallow_config", broken)
+    trace, info = api._trace(config, spec, [(2, 16), (2, 16)], "auto")
+    assert info["mode"] == "full"
+    assert info["reason"] == (
+        "a shallow copy could not be traced (ValueError: per_layer_config keys must be in range)"
+    )
+    assert len(trace.steps) == 2
+
+
+def test_settings_keyed_by_layer_are_not_cut_short() -> None:
+    config = transformers.LlamaConfig(**_DECODER, per_layer_config={"5": {"rms_norm_eps": 1e-5}})
+    plan, reason = depth.plan_depth(config)
+    assert plan is None
+    assert reason == "the config sets per_layer_config layer by layer"

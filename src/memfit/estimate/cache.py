@@ -1,0 +1,314 @@
+"""The disk cache of traces: data only, never code.
+
+A trace file holds numbers, strings and lists (JSON, zlib-compressed): the allocations of a traced
+step, its shape fit and how it was traced. Nothing in it is executed when it is read: the few size
+formulas a trace carries (kernels whose scratch is no product of the shape's dims) are stored by
+name and arguments and looked up in :data:`FORMULAS`, and a file that names anything else, or is
+not what memfit writes, is ignored (the model is traced again). The config is not stored: the file
+name hashes it, and the caller's own config is attached on reading.
+
+``MEMFIT_CACHE_DIR`` moves the cache (default ``~/.cache/memfit``); ``MEMFIT_NO_CACHE=1`` turns it
+off. File names hash the model's config, the knobs, how deep it was traced, the torch and
+transformers versions and memfit's estimator source, so a changed model, library or estimator
+never reads a stale trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memfit.estimate import cuda_emulation
+from memfit.estimate.device import CudaProfile
+from memfit.estimate.fit import FittedSegment
+from memfit.estimate.trace import ParamInfo, Segment, StepTrace
+from memfit.estimate.workload import StepSpec
+
+FORMAT = 1
+# the size formulas a trace may name (functions of cuda_emulation, bound to plain arguments)
+FORMULAS = frozenset(
+    {"_split_kv_bytes", "_rounded_bytes", "_padded_mask_bytes", "_workspace_formula"}
+)
+
+
+class _NotData(Exception):
+    """Something that cannot be written as data (a formula memfit does not know)."""
+
+
+def path_for(key: tuple[Any, ...]) -> Path | None:
+    """Where the trace of ``key`` (config hash, knobs, trace depth) is kept; None when off."""
+    import torch
+    import transformers
+
+    if os.environ.get("MEMFIT_NO_CACHE", "") not in ("", "0"):
+        return None
+    root = Path(os.environ.get("MEMFIT_CACHE_DIR") or Path.home() / ".cache" / "memfit")
+    digest = hashlib.sha256(
+        repr((key, torch.__version__, transformers.__version__, _source_digest())).encode()
+    ).hexdigest()[:32]
+    return root / "traces" / f"{digest}.json.z"
+
+
+@functools.cache
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def write(path: Path, traced: Any) -> bool:
+    """Write ``traced`` (an ``api._Traced``) to ``path``, never half-written; False if it cannot."""
+    try:
+        data = zlib.compress(json.dumps(_traced_data(traced)).encode(), 1)
+    except _NotData:
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)  # never a half-written cache file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError:  # a read-only or full disk: keep working without the cache
+        return False
+    return True
+
+
+def read(path: Path, config: Any, make: Any) -> Any | None:
+    """The traced object stored at ``path`` (built by ``make(**fields)``), or None.
+
+    A missing, damaged or foreign file is None: the caller traces again.
+    """
+    try:
+        data = json.loads(zlib.decompress(path.read_bytes()))
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            return None
+        return _traced_from(data, config, make)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, zlib.error):
+        return None
+
+
+# --- to data ---------------------------------------------------------------------------------------
+def _traced_data(traced: Any) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "spec": dataclasses.asdict(traced.spec),
+        "trace": _trace_data(traced.trace),
+        "fitted": None if traced.fitted is None else _fitted_data(traced.fitted),
+        "profile": dataclasses.asdict(traced.profile),
+        "trace_seconds": traced.trace_seconds,
+        "method": traced.method,
+        "max_positions": traced.max_positions,
+        "variant_key": traced.variant_key,
+        "home_key": traced.home_key,
+        "depth": traced.depth,
+        "trace_depth": traced.trace_depth,
+        "exact": [[list(k), _traced_data(v)] for k, v in traced._exact.items()],
+        "variants": [[list(k), _traced_data(v)] for k, v in traced._variants.items()],
+    }
+
+
+def _trace_data(trace: StepTrace) -> dict[str, Any]:
+    return {
+        "resident_sizes": trace.resident_sizes,
+        "resident_categories": trace.resident_categories,
+        "steps": [
+            [list(shape), _segment_data(fb), None if opt is None else _segment_data(opt)]
+            for shape, fb, opt in trace.steps
+        ],
+        "num_parameters": trace.num_parameters,
+        "parameter_bytes": trace.parameter_bytes,
+        "trainable_parameters": trace.trainable_parameters,
+        "trainable_gradient_bytes": trace.trainable_gradient_bytes,
+        "initial": trace.initial,
+        "steady": trace.steady,
+        "first_optimizer_globals": trace.first_optimizer_globals,
+        "params": [
+            [p.alloc, list(p.shape), p.itemsize, p.trainable, p.block] for p in trace.params
+        ],
+        "resident_params": [[g, p] for g, p in trace.resident_params.items()],
+        "largest_module_parameters": trace.largest_module_parameters,
+        "block_layers": trace.block_layers,
+        "resident_blocks": trace.resident_blocks,
+    }
+
+
+def _segment_data(seg: Segment) -> dict[str, Any]:
+    return {
+        "events": [x for event in seg.events for x in event],
+        "sizes": seg.sizes,
+        "categories": seg.categories,
+        "ops": seg.ops,
+        "shapes": [list(s) for s in seg.shapes],
+        "itemsizes": seg.itemsizes,
+        "formulas": [None if f is None else _formula_data(f) for f in seg.formulas],
+        "params": seg.params,
+        "origins": seg.origins,
+    }
+
+
+def _formula_data(formula: Any) -> list[Any]:
+    function = getattr(formula, "func", None)
+    name = getattr(function, "__name__", None)
+    if (
+        not isinstance(formula, functools.partial)
+        or name not in FORMULAS
+        or getattr(cuda_emulation, name, None) is not function
+    ):
+        raise _NotData(f"size formula {formula!r}")
+    return [
+        name,
+        [_plain(a) for a in formula.args],
+        {k: _plain(v) for k, v in formula.keywords.items()},
+    ]
+
+
+def _plain(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, tuple) and all(isinstance(v, int | float) for v in value):
+        return {"tuple": list(value)}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    raise _NotData(f"formula argument {value!r}")
+
+
+def _fitted_data(fitted: FittedSegment) -> dict[str, Any]:
+    return {
+        "template": _segment_data(fitted.template),
+        "coefficients": fitted.coefficients.tolist(),
+        "ranks": fitted.ranks.tolist(),
+        "itemsizes": fitted.itemsizes.tolist(),
+        "per_sequence_only": fitted.per_sequence_only,
+        "multiples": None if fitted.multiples is None else fitted.multiples.tolist(),
+    }
+
+
+# --- from data -------------------------------------------------------------------------------------
+def _traced_from(data: dict[str, Any], config: Any, make: Any) -> Any:
+    spec = data["spec"]
+    traced = make(
+        config=config,
+        spec=StepSpec(**{**spec, "lora_targets": tuple(spec["lora_targets"])}),
+        trace=_trace_from(data["trace"]),
+        fitted=None if data["fitted"] is None else _fitted_from(data["fitted"]),
+        profile=CudaProfile(**data["profile"]),
+        trace_seconds=float(data["trace_seconds"]),
+        method=str(data["method"]),
+        max_positions=int(data["max_positions"]),
+        variant_key=None if data["variant_key"] is None else tuple(data["variant_key"]),
+        home_key=tuple(data["home_key"]),
+        depth=dict(data["depth"]),
+        trace_depth=str(data["trace_depth"]),
+    )
+    for key, value in data["exact"]:
+        traced._exact[tuple(key)] = _traced_from(value, config, make)
+    for key, value in data["variants"]:
+        traced._variants[tuple(key)] = _traced_from(value, config, make)
+    traced.mark_saved()
+    return traced
+
+
+def _trace_from(data: dict[str, Any]) -> StepTrace:
+    return StepTrace(
+        resident_sizes=_ints(data["resident_sizes"]),
+        resident_categories=_ints(data["resident_categories"]),
+        steps=[
+            (
+                (int(shape[0]), int(shape[1])),
+                _segment_from(fb),
+                None if opt is None else _segment_from(opt),
+            )
+            for shape, fb, opt in data["steps"]
+        ],
+        num_parameters=int(data["num_parameters"]),
+        parameter_bytes=int(data["parameter_bytes"]),
+        trainable_parameters=int(data["trainable_parameters"]),
+        trainable_gradient_bytes=int(data["trainable_gradient_bytes"]),
+        initial=_ints(data["initial"]),
+        steady=_ints(data["steady"]),
+        first_optimizer_globals=_ints(data["first_optimizer_globals"]),
+        params=[
+            ParamInfo(int(a), tuple(_ints(shape)), int(i), bool(t), int(b))
+            for a, shape, i, t, b in data["params"]
+        ],
+        resident_params={int(g): int(p) for g, p in data["resident_params"]},
+        largest_module_parameters=int(data["largest_module_parameters"]),
+        block_layers=_ints(data["block_layers"]),
+        resident_blocks=_ints(data["resident_blocks"]),
+    )
+
+
+def _segment_from(data: dict[str, Any]) -> Segment:
+    flat = _ints(data["events"])
+    return Segment(
+        events=list(zip(flat[0::2], flat[1::2], strict=True)),
+        sizes=_ints(data["sizes"]),
+        categories=_ints(data["categories"]),
+        ops=[str(op) for op in data["ops"]],
+        shapes=[tuple(_ints(s)) for s in data["shapes"]],
+        itemsizes=_ints(data["itemsizes"]),
+        formulas=[None if f is None else _formula_from(f) for f in data["formulas"]],
+        params=_ints(data["params"]),
+        origins=_ints(data["origins"]),
+    )
+
+
+def _formula_from(data: list[Any]) -> Any:
+    name, args, keywords = data
+    if name not in FORMULAS:
+        raise ValueError(f"unknown size formula {name!r}")
+    function = getattr(cuda_emulation, name)
+    return functools.partial(
+        function, *(_unplain(a) for a in args), **{k: _unplain(v) for k, v in keywords.items()}
+    )
+
+
+def _unplain(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, dict) and "dtype" in value:
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {value['dtype']!r}")
+        return dtype
+    if isinstance(value, dict):
+        return tuple(value["tuple"])
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    raise ValueError(f"formula argument {value!r}")
+
+
+def _fitted_from(data: dict[str, Any]) -> FittedSegment:
+    return FittedSegment(
+        template=_segment_from(data["template"]),
+        coefficients=np.array(data["coefficients"], dtype=np.float64),
+        ranks=np.array(data["ranks"], dtype=np.int64),
+        itemsizes=np.array(data["itemsizes"], dtype=np.int64),
+        per_sequence_only=bool(data["per_sequence_only"]),
+        multiples=None
+        if data["multiples"] is None
+        else np.array(data["multiples"], dtype=np.int64),
+    )
+
+
+def _ints(values: Any) -> list[int]:
+    out = [int(v) for v in values]
+    if any(not isinstance(v, int) for v in values):
+        raise TypeError("a list of whole numbers expected")
+    return out
