@@ -429,8 +429,12 @@ def _free_sweep(
     seg: Segment, start: int, contexts: list[int | None], base: int, labels: _Labels
 ) -> tuple[dict[int, int], int]:
     """Frees outside the layers that release something of every layer in order (autocast's
-    cache of weight copies, emptied as the forward ends): each goes with its layer's group."""
-    groups: dict[int, int] = {}
+    cache of weight copies, emptied as the forward ends): each goes with its layer's group.
+
+    Looks at the run of frees outside the layers that starts at ``start``; returns the positions
+    of the sweep in it (with their groups), if there is one, and where the run ends.
+    """
+    run: list[tuple[int, int | None]] = []
     position = start
     while (
         position < len(seg.events)
@@ -439,15 +443,23 @@ def _free_sweep(
     ):
         kind, ref = seg.events[position]
         target = base + ref if kind == FREE else ref
-        group = labels.alloc_group[target] if target < len(labels.alloc_group) else None
-        if group is not None:
-            groups[position] = group
+        run.append(
+            (position, labels.alloc_group[target] if target < len(labels.alloc_group) else None)
+        )
         position += 1
-    values = list(groups.values())
-    order = [g for i, g in enumerate(values) if i == 0 or g != values[i - 1]]
-    every = list(range(labels.groups))
-    if order == every or order == every[::-1]:
-        return groups, position
+    last = labels.groups - 1
+    for i, (_, first) in enumerate(run):
+        if first not in (0, last) or (i and run[i - 1][1] == first):
+            continue
+        for step in (1, -1):
+            expected, j = first, i
+            while (
+                j < len(run) and run[j][1] is not None and run[j][1] in (expected, expected + step)
+            ):
+                expected = run[j][1]  # type: ignore[assignment]
+                j += 1
+            if expected == (last if step == 1 else 0) and expected != first:
+                return {p: g for p, g in run[i:j] if g is not None}, position
     return {}, position
 
 
