@@ -566,7 +566,12 @@ def is_traced(model: str, **knobs: Any) -> bool:
     return True
 
 
-def _traced(model_spec: Any, spec: StepSpec, trace_depth: str, shape: tuple[int, int]) -> _Traced:
+def _traced(
+    model_spec: Any,
+    spec: StepSpec,
+    trace_depth: str = "auto",
+    shape: tuple[int, int] | None = None,
+) -> _Traced:
     """The traces of a model and knobs; a first trace fits the kind of ``shape`` asked."""
     key = (model_spec.cache_key(), spec, trace_depth)
     with _LOCK:
@@ -576,7 +581,7 @@ def _traced(model_spec: Any, spec: StepSpec, trace_depth: str, shape: tuple[int,
             raise NotTraced
         if key not in _CACHE:
             started = time.perf_counter()
-            home = (shape[0] == 1, shape[1] % 8 == 0)
+            home = (False, True) if shape is None else (shape[0] == 1, shape[1] % 8 == 0)
             check, grid, second = grid_shapes(
                 model_spec.max_positions, batch_size=1 if home[0] else None, aligned=home[1]
             )
