@@ -1075,6 +1075,11 @@ def main(argv: list[str] | None = None) -> Any:
     verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     if argv is not None or verb not in _QUICK_EXIT_VERBS:
         return _main(argv)
+    import gc
+
+    # importing torch and transformers makes millions of objects, and the collector's default
+    # thresholds walk them again and again (about a second of a cold estimate): collect rarely
+    gc.set_threshold(50_000, 20, 100)
     try:
         _main(None)
         code = 0
