@@ -40,7 +40,9 @@ def _cases(only: str | None) -> list[tuple[str, str, dict[str, Any], str | None]
         kwargs = case.estimate_kwargs() | {"device": "cuda"}
         out.append(("gpu_validate", case.model, kwargs, None))
     for case in cpu_truth.MATRIX:
-        kwargs = dict(task=case.task, batch_size=case.batch, seq_len=case.seq, device="cpu")
+        kwargs = dict(
+            task=case.task, batch_size=case.batch_size, seq_len=case.seq_len, device="cpu"
+        )
         kwargs |= case.knobs
         custom = case.model[1:] if case.model.startswith("@") else None
         out.append(("estimate_cpu_truth", case.model, kwargs, custom))
