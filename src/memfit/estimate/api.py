@@ -529,7 +529,17 @@ def _disk_load(key: tuple[str, StepSpec, str], config: Any) -> _Traced | None:
     path = cache.path_for(key)
     if path is None or not path.is_file():
         return None
-    return cache.read(path, config, _Traced)
+    loaded = cache.read(path, key, config, _Traced)
+    if loaded is None:
+        return None
+    try:
+        # a file that reads as data may still not replay (a field of the wrong kind): one
+        # replay of a shape it fits proves it, else the model is traced again
+        if loaded.fitted is not None:
+            loaded.replay(*loaded.trace.steps[-1][0])
+    except Exception:
+        return None
+    return loaded
 
 
 def save_traces() -> None:
@@ -543,8 +553,9 @@ def save_traces() -> None:
             path = cache.path_for(key)
             if path is None:
                 return
-            if cache.write(path, traced):
-                traced.mark_saved()
+            # written or not (a read-only or full disk), it is not tried again in this process
+            cache.write(path, traced, key)
+            traced.mark_saved()
 
 
 class NotTraced(Exception):

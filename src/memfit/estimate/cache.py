@@ -34,6 +34,8 @@ from memfit.estimate.trace import ParamInfo, Segment, StepTrace
 from memfit.estimate.workload import StepSpec
 
 FORMAT = 1
+# a trace file inflates to at most this much (a 48-layer model's is a few MB)
+MAX_BYTES = 256 * 2**20
 # the size formulas a trace may name (functions of cuda_emulation, bound to plain arguments)
 FORMULAS = frozenset(
     {"_split_kv_bytes", "_rounded_bytes", "_padded_mask_bytes", "_workspace_formula"}
@@ -66,14 +68,21 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def write(path: Path, traced: Any) -> bool:
-    """Write ``traced`` (an ``api._Traced``) to ``path``, never half-written; False if it cannot."""
-    try:
-        data = zlib.compress(json.dumps(_traced_data(traced)).encode(), 1)
-    except _NotData:
-        return False
+def write(path: Path, traced: Any, key: tuple[Any, ...]) -> bool:
+    """Write ``traced`` (an ``api._Traced`` of ``key``) to ``path``, never half-written.
+
+    False when it cannot be written (a read-only or full disk, something that is not data).
+    """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    try:
+        payload = {"key": repr(key), **_traced_data(traced)}
+        data = zlib.compress(json.dumps(payload).encode(), 1)
+    except (_NotData, TypeError, ValueError):
+        return False
+    try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -87,17 +96,23 @@ def write(path: Path, traced: Any) -> bool:
     return True
 
 
-def read(path: Path, config: Any, make: Any) -> Any | None:
-    """The traced object stored at ``path`` (built by ``make(**fields)``), or None.
+def read(path: Path, key: tuple[Any, ...], config: Any, make: Any) -> Any | None:
+    """The traced object of ``key`` stored at ``path`` (built by ``make(**fields)``), or None.
 
-    A missing, damaged or foreign file is None: the caller traces again.
+    A missing, damaged or foreign file, or one of another key, is None: the caller traces again.
     """
     try:
-        data = json.loads(zlib.decompress(path.read_bytes()))
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(path.read_bytes(), MAX_BYTES)
+        if inflater.unconsumed_tail:
+            return None  # larger than any trace memfit writes
+        data = json.loads(raw)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             return None
+        if data.get("key") != repr(key):
+            return None
         return _traced_from(data, config, make)
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, zlib.error):
+    except Exception:  # anything a damaged or foreign file can raise: trace again
         return None
 
 
@@ -283,10 +298,12 @@ def _unplain(value: Any) -> Any:
     import torch
 
     if isinstance(value, dict) and "dtype" in value:
-        dtype = getattr(torch, str(value["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {value['dtype']!r}")
-        return dtype
+        dtypes = {
+            str(d).removeprefix("torch."): d
+            for d in vars(torch).values()
+            if isinstance(d, torch.dtype)
+        }
+        return dtypes[str(value["dtype"])]
     if isinstance(value, dict):
         return tuple(value["tuple"])
     if isinstance(value, bool | int | float | str) or value is None:
@@ -308,7 +325,6 @@ def _fitted_from(data: dict[str, Any]) -> FittedSegment:
 
 
 def _ints(values: Any) -> list[int]:
-    out = [int(v) for v in values]
-    if any(not isinstance(v, int) for v in values):
+    if not isinstance(values, list) or any(type(v) is not int for v in values):
         raise TypeError("a list of whole numbers expected")
-    return out
+    return values

@@ -109,9 +109,27 @@ def test_a_file_naming_other_code_is_ignored(cache_dir: Path, tiny_gpt2: str) ->
     index = next(i for i, f in enumerate(seg["formulas"]) if f)
     seg["formulas"][index] = ["system", ["touch /tmp/x"], {}]  # os.system by another name
     path.write_bytes(zlib.compress(json.dumps(data).encode()))
-    assert cache.read(path, None, api._Traced) is None
+    key = next(iter(api._CACHE))
+    assert cache.read(path, key, None, api._Traced) is None
     path.write_bytes(b"not even compressed")
-    assert cache.read(path, None, api._Traced) is None
+    assert cache.read(path, key, None, api._Traced) is None
+    path.write_bytes(zlib.compress(b"[" * 100_000))  # nested past the recursion limit
+    assert cache.read(path, key, None, api._Traced) is None
+
+
+def test_a_trace_of_other_knobs_is_not_taken(cache_dir: Path, tiny_gpt2: str) -> None:
+    """A file copied (or renamed) to another key's name is refused: its key is inside it."""
+    bf16 = api.estimate(tiny_gpt2, **KNOBS)
+    source = _trace_file(tiny_gpt2)
+    api.clear_cache()
+    fp32 = api.estimate(tiny_gpt2, **{**KNOBS, "precision": "fp32"})
+    (fp32_key,) = [k for k in api._CACHE if k[1].precision == "fp32"]
+    target = cache.path_for(fp32_key)
+    assert target is not None and target != source
+    target.write_bytes(source.read_bytes())
+    api.clear_cache()
+    again = api.estimate(tiny_gpt2, **{**KNOBS, "precision": "fp32"})
+    assert again.total_bytes == fp32.total_bytes != bf16.total_bytes
 
 
 def test_an_unwritable_cache_is_no_error(
