@@ -382,14 +382,9 @@ def _segment_stream(
                 labels.param_ref(seg.origins[ref], context),
             )
         elif kind in (FREE, FREE_PREV, FREE_RES):
-            if kind == FREE:
-                target = base + ref
-            elif kind == FREE_PREV:
-                if fb_base is None:
-                    raise NotRepeating("a forward/backward frees an earlier segment")
-                target = fb_base + ref
-            else:
-                target = ref
+            if kind == FREE_PREV and fb_base is None:
+                raise NotRepeating("a forward/backward frees an earlier segment")
+            target = _free_target(kind, ref, base, fb_base)
             if target >= len(labels.alloc_group):
                 raise NotRepeating("a free before its allocation")
             if not optimizer and contexts[position] is None and position >= swept_to:
@@ -425,6 +420,16 @@ def _segment_stream(
 _UNKNOWN = object()
 
 
+def _free_target(kind: int, ref: int, base: int, fb_base: int | None) -> int:
+    """The global id a free event releases: a local of this segment (FREE), of the step's
+    forward/backward (FREE_PREV), or a resident (FREE_RES, already global)."""
+    if kind == FREE:
+        return base + ref
+    if kind == FREE_PREV:
+        return (fb_base or 0) + ref
+    return ref
+
+
 def _free_sweep(
     seg: Segment, start: int, contexts: list[int | None], base: int, labels: _Labels
 ) -> tuple[dict[int, int], int]:
@@ -442,7 +447,7 @@ def _free_sweep(
         and contexts[position] is None
     ):
         kind, ref = seg.events[position]
-        target = base + ref if kind == FREE else ref
+        target = _free_target(kind, ref, base, None)
         run.append(
             (position, labels.alloc_group[target] if target < len(labels.alloc_group) else None)
         )
@@ -483,7 +488,7 @@ def _next_group(
         owner = seg.params[ref] if seg.params[ref] >= 0 else seg.origins[ref]
         return labels.param_group[owner] if owner >= 0 else _UNKNOWN
     if kind in (FREE, FREE_PREV, FREE_RES):
-        target = base + ref if kind == FREE else ref if kind == FREE_RES else (fb_base or 0) + ref
+        target = _free_target(kind, ref, base, fb_base)
         return labels.alloc_group[target] if target < len(labels.alloc_group) else _UNKNOWN
     return None
 

@@ -462,7 +462,7 @@ def trace_steps(
         for s, c in zip(recorder.sizes, recorder.categories, strict=True)
         if c == CAT["parameters"]
     )
-    _mark_blocks(model, recorder)
+    _mark_blocks(blocks, recorder)
     train = spec.mode == "train"
     optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
     scaler = workload.make_scaler(spec, spec.device, fake=True)
@@ -532,7 +532,7 @@ def trace_steps(
             steps.append(((batch_size, seq_len), fb, opt))
             # allocations of this step that survive it (optimizer state) are resident from now on
             resident = len(recorder.sizes)
-    param_infos = _param_infos(model, params, recorder)
+    param_infos = _param_infos(blocks, params, recorder)
     steady_set = set(steady)
     return StepTrace(
         block_layers=_block_layers(model, blocks),
@@ -576,7 +576,7 @@ def _block_layers(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list
     return layers
 
 
-def _mark_blocks(model: torch.nn.Module, recorder: StorageRecorder) -> None:
+def _mark_blocks(blocks: list[torch.nn.Module], recorder: StorageRecorder) -> None:
     """Record where each transformer block's forward and backward start and end.
 
     Hooks only: no tensor is created, so the allocations are those of the unhooked step. The
@@ -589,7 +589,7 @@ def _mark_blocks(model: torch.nn.Module, recorder: StorageRecorder) -> None:
     def grad_tensors(value: Any) -> list[torch.Tensor]:
         return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
 
-    for index, block in enumerate(fsdp_blocks(model)):
+    for index, block in enumerate(blocks):
 
         def before(module: Any, args: Any, kwargs: Any, index: int = index) -> None:
             recorder.block_event(index, BLOCK_FORWARD_START)
@@ -634,10 +634,10 @@ def _optimizer_state_ids(
 
 
 def _param_infos(
-    model: torch.nn.Module, params: list[torch.nn.Parameter], recorder: StorageRecorder
+    blocks: list[torch.nn.Module], params: list[torch.nn.Parameter], recorder: StorageRecorder
 ) -> list[ParamInfo]:
     owner: dict[int, int] = {}
-    for block_index, block in enumerate(fsdp_blocks(model)):
+    for block_index, block in enumerate(blocks):
         for p in block.parameters():
             owner[id(p)] = block_index
     infos = []
