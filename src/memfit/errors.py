@@ -22,3 +22,12 @@ class NothingFitsError(MemfitError):
     """No configuration fits the memory budget (exit code 3)."""
 
     exit_code = 3
+
+
+class TrainingStoppedError(MemfitError):
+    """A run stopped itself to keep good weights: its loss or gradient was not finite (exit 4).
+
+    The newest good state is kept as a checkpoint; nothing of the failed step was applied.
+    """
+
+    exit_code = 4

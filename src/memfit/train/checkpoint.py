@@ -3,12 +3,16 @@
 ``DIR/checkpoints/step-N/`` holds the weights (safetensors), the optimizer and scheduler state, the
 RNG states, the sampler position and the guard's micro-batch. It is written into a hidden temporary
 folder beside it and renamed into place, so a kill at any moment leaves either the old set of
-checkpoints or the new one, never a half-written folder. Only files this run wrote are read back
-(``torch.load(weights_only=True)``: no unpickling of arbitrary objects).
+checkpoints or the new one, never a half-written folder. The last file written before the rename
+is ``manifest.json``: every other file's size and SHA-256. A resume verifies it and falls back past
+a checkpoint that does not match (a disk that lost or cut a file after the rename, a hand edit).
+Only files this run wrote are read back (``torch.load(weights_only=True)``: no unpickling of
+arbitrary objects).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -23,6 +27,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -137,6 +142,10 @@ def _write(
         text = json.dumps({**state, "step": step, "rng": rng_state()})
         (tmp / STATE_FILE).write_text(text, encoding="utf-8")
         _fsync_tree(tmp)
+        # last: what the files must be, so a resume can tell a whole checkpoint from a damaged one
+        manifest = {"files": {p.name: _describe_file(p) for p in sorted(tmp.iterdir())}}
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        _fsync_tree(tmp)
         if final.exists():  # a re-run of the same step (after a resume): replace it whole
             old = folder / f".old-step-{step}-{os.getpid()}"
             os.rename(final, old)
@@ -144,8 +153,13 @@ def _write(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        from memfit.train.runfolder import as_os_error
+
+        disk = as_os_error(exc, tmp)
+        if disk is not None and disk is not exc:
+            raise disk from None
         raise
     if keep is not None:
         for old_step in completed_steps(folder)[:-keep]:
@@ -170,6 +184,53 @@ def _fsync_tree(folder: Path) -> None:
             os.fsync(handle.fileno())
 
 
+def _describe_file(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be trusted, or None when it is whole.
+
+    Checks the manifest's files, sizes and checksums. A checkpoint of a memfit version that wrote
+    no manifest is checked for its files only (its loading is the rest of the check).
+    """
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        missing = [
+            name for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", STATE_FILE)
+            if not (path / name).is_file()
+        ]  # fmt: skip
+        return f"{', '.join(missing)} missing" if missing else None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST_FILE} unreadable"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} missing"
+        try:
+            size = file.stat().st_size
+            if size != want.get("bytes"):
+                return f"{name} has {size} bytes, {want.get('bytes')} were written"
+            if _describe_file(file)["sha256"] != want.get("sha256"):
+                return f"{name} does not match its checksum"
+        except OSError as exc:
+            return f"{name} unreadable ({exc.strerror or exc})"
+    return None
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state (step, position, the settings of the run that wrote it)."""
+    state: dict[str, Any] = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    return state
+
+
 def completed_steps(folder: Path) -> list[int]:
     """The steps of the complete checkpoints in ``folder``, oldest first (temporaries ignored)."""
     if not folder.is_dir():
@@ -183,10 +244,18 @@ def completed_steps(folder: Path) -> list[int]:
 
 
 def clean_temporaries(folder: Path) -> None:
-    """Remove what a killed run left half-written (hidden ``.tmp-``/``.old-`` folders)."""
+    """Remove what a killed run left half-written (hidden ``.tmp-``/``.old-`` folders).
+
+    A kill between the two renames that replace a step's checkpoint leaves the old one only as
+    ``.old-step-N-PID``: it is put back, not removed.
+    """
     if folder.is_dir():
-        for child in folder.iterdir():
-            if child.name.startswith((".tmp-step-", ".old-step-")):
+        for child in sorted(folder.iterdir()):
+            old = re.match(r"^\.old-step-(\d+)-\d+$", child.name)
+            final = folder / f"step-{old.group(1)}" if old else None
+            if final is not None and not final.exists():
+                os.rename(child, final)
+            elif child.name.startswith((".tmp-step-", ".old-step-")):
                 shutil.rmtree(child, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import torch
 
 from memfit.data.batching import length_grouped_order
 from memfit.data.rows import DataOptions, Row, RowTable, all_lengths, write_skipped
-from memfit.errors import NothingFitsError, UsageError
+from memfit.errors import NothingFitsError, TrainingStoppedError, UsageError
 from memfit.train.distributed import shard_rows
 
 TASKS = ("classification", "causal-lm", "sentence-embedding")
@@ -122,7 +123,7 @@ class TrainResult:
     samples_seen: int
     final_loss: float | None
     eval_metrics: dict[str, float]
-    stopped: str  # "done" | "signal"
+    stopped: str  # "done" | "signal" | "finished" (a --resume of a run that had finished)
 
 
 # --- validation -----------------------------------------------------------------------------------
@@ -153,6 +154,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     for name in ("effective_batch_size", "epochs"):
         if int(getattr(cfg, name)) < 1:
             problems.append(f"--{name.replace('_', '-')}: must be ≥ 1, got {getattr(cfg, name)}")
+    if cfg.task == "sentence-embedding" and int(cfg.effective_batch_size) >= 1:
+        from memfit.train.recipes.sentence_embedding import batch_problems
+
+        # in-batch negatives: one pair per step has none (a loss of 0)
+        problems.extend(batch_problems(cfg.loss or "mnrl", int(cfg.effective_batch_size)))
     for name in (
         "max_steps",
         "micro_batch_size",
@@ -167,6 +173,13 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         value = getattr(cfg, name)
         if value is not None and int(value) < 1:
             problems.append(f"--{name.replace('_', '-')}: must be ≥ 1, got {value}")
+    # NaN passes every comparison that would refuse it, and inf trains a model of NaNs
+    for name in ("lr", "weight_decay", "max_grad_norm", "warmup_ratio"):
+        value = getattr(cfg, name)
+        if isinstance(value, int | float) and not math.isfinite(value):
+            problems.append(f"--{name.replace('_', '-')}: must be a finite number, got {value}")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+        problems.append(f"--seed: must be a whole number from 0 to {2**32 - 1}, got {cfg.seed}")
     if cfg.lr <= 0:
         problems.append(f"--lr: must be > 0, got {cfg.lr}")
     if not 0 <= cfg.warmup_ratio < 1:
@@ -211,19 +224,16 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                 "--optimizer: adamw-8bit needs a working bitsandbytes (pip install bitsandbytes, "
                 "on a CUDA machine); use adamw or adafactor here"
             )
-    output = Path(cfg.output_dir)
-    if output.exists() and not output.is_dir():
-        problems.append(f"--output-dir: {output} exists and is not a folder")
-    elif (
-        output.is_dir()
-        and not cfg.resume
-        and any(output.iterdir())
-        and (output / "run.json").exists()
-    ):
-        problems.append(
-            f"--output-dir: {output} already holds a run; add --resume to continue it, "
-            "or choose another folder"
+    from memfit.train.runfolder import folder_problems
+
+    # rank 0 takes the folder's lock: the other ranks must not take it for another run's
+    problems.extend(
+        folder_problems(
+            Path(cfg.output_dir),
+            resume=cfg.resume,
+            check_lock=os.environ.get("RANK", "0") in ("", "0"),
         )
+    )
     return problems
 
 
@@ -289,18 +299,26 @@ def _distributed_problems(cfg: TrainConfig) -> list[str]:
 
 # --- the run ----------------------------------------------------------------------------------------
 class _Log:
-    """Append-only JSON Lines files, flushed line by line (a killed run keeps what it logged)."""
+    """Append-only JSON Lines files, flushed line by line (a killed run keeps what it logged).
+
+    The file is opened at the first line: a resume cuts the killed run's last lines from it
+    (replacing the file) after the log object exists but before it writes.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._handle: Any = None
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._handle is None:
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._handle.write(json.dumps(record) + "\n")
         self._handle.flush()
 
     def close(self) -> None:
-        self._handle.close()
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
 
 
 class _NoLog:
@@ -362,6 +380,8 @@ def _make_recipe(cfg: TrainConfig) -> Any:
     recipe = make_recipe(cfg.task, model=cfg.model, **options)
     recipe.data_options = DataOptions(skip_bad_rows=cfg.skip_bad_rows, cache_dir=cfg.cache_dir)
     recipe.padding = cfg.padding
+    # a length the user asked for is refused past the model's positions (a default is lowered)
+    recipe.max_seq_len_given = bool(cfg.max_seq_len or cfg.seq_len)
     return recipe
 
 
@@ -659,12 +679,22 @@ def _save_folder(
 
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    if is_lora(recipe.model):
-        save_lora(recipe, tmp, merge=merge_lora)
-    elif state_dict is not None:
-        recipe.save(tmp, state_dict=state_dict)
-    else:
-        recipe.save(tmp)
+    try:
+        if is_lora(recipe.model):
+            save_lora(recipe, tmp, merge=merge_lora)
+        elif state_dict is not None:
+            recipe.save(tmp, state_dict=state_dict)
+        else:
+            recipe.save(tmp)
+    except BaseException as exc:
+        # a full disk half-way: the folder in place (if any) stays, the half-written one goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        from memfit.train.runfolder import as_os_error
+
+        disk = as_os_error(exc, tmp)
+        if disk is not None and disk is not exc:
+            raise disk from None
+        raise
     old = folder.with_name(f".old-{folder.name}-{os.getpid()}")
     if folder.exists():
         os.rename(folder, old)
@@ -677,9 +707,64 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     cfg = config or TrainConfig(**knobs)
     if config is not None and knobs:
         cfg = dataclasses.replace(config, **knobs)
+    from memfit.train.runfolder import RunLock
+
+    # the output folder's lock, taken once the model is loaded, held until the run ends
+    lock = RunLock(Path(cfg.output_dir))
+    try:
+        with contextlib.ExitStack() as closers:
+            return _train(cfg, lock, closers)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        raise UsageError(_disk_message(cfg, exc)) from None
+    finally:
+        lock.release()
+
+
+# what a user's disk or folder can do to a run: full, over quota, read-only, taken away
+_DISK_ERRNOS = frozenset(
+    {
+        errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+        errno.ENOTDIR, errno.EISDIR,
+    }
+)  # fmt: skip
+
+
+def _disk_message(cfg: TrainConfig, exc: OSError) -> str:
+    """One line for a write the disk refused: which flag's folder, why, and what is kept."""
+    from memfit.train import checkpoint as ck
+
+    out = Path(cfg.output_dir)
+    where = Path(str(exc.filename)) if exc.filename else out
+    flag = "--output-dir"
+    if cfg.cache_dir and _inside(where, Path(cfg.cache_dir)):
+        flag = "--cache-dir"
+    elif not _inside(where, out):
+        flag = ""
+    steps = ck.completed_steps(out / "checkpoints")
+    kept = (
+        f"the newest checkpoint, {out / 'checkpoints' / f'step-{steps[-1]}'}, is whole: make "
+        "room and run again with --resume"
+        if steps
+        else "no checkpoint was written"
+        + ("" if cfg.save_every else " (--save-every N keeps one every N steps)")
+    )
+    return f"{flag + ': ' if flag else ''}{where}: {exc.strerror or exc}; {kept}"
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        Path(os.path.abspath(path)).relative_to(os.path.abspath(folder))
+    except ValueError:
+        return False
+    return True
+
+
+def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainResult:
     from transformers.utils import logging as hf_logging
 
-    from memfit.guard import Guard, StepTooLarge, is_oom, memory_cap
+    from memfit.guard import Guard, StepTooLarge, memory_cap
 
     hf_logging.disable_progress_bar()  # the run has its own progress line
 
@@ -695,10 +780,30 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     eval_rows: Sequence[Row] | None = None
     if recipe is not None:
         train_rows, eval_rows, data_problems = _read_data(recipe, cfg)
-        problems.extend(data_problems)
+        problems.extend(x for x in data_problems if x not in problems)
     if problems:
         raise UsageError("\n".join(problems))
     assert train_rows is not None
+    from memfit.train import runfolder
+
+    done = runfolder.finished(Path(cfg.output_dir)) if cfg.resume else None
+    if done is not None:
+        # nothing to redo: retraining would replace the finished model/ with the same steps
+        steps_done = int(done.get("steps", 0))
+        if not cfg.quiet:
+            _say(
+                f"memfit: the run in {cfg.output_dir} already finished ({steps_done} steps; its "
+                f"model is in {Path(cfg.output_dir) / 'model'}): nothing to resume. To train it "
+                "further, start a new run with --model on that folder"
+            )
+        return TrainResult(
+            Path(cfg.output_dir),
+            steps_done,
+            int(done.get("samples_seen", 0)),
+            done.get("final_loss"),
+            dict(done.get("eval_metrics") or {}),
+            "finished",
+        )
     skipped = list(recipe.data_options.skipped)
     device = _resolve_device(cfg)
     if device.type == "cpu" and cfg.precision not in (None, "fp32"):
@@ -791,9 +896,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     ckpt_dir = out / "checkpoints"
     from memfit.train import checkpoint as ck
 
-    resume_from = None
     if main:
-        out.mkdir(parents=True, exist_ok=True)
+        # the folder is made and locked (refused if another run holds it, or it is not memfit's)
+        lock.acquire(resume=cfg.resume)
         if cfg.skip_bad_rows:
             write_skipped(out / "skipped_rows.jsonl", skipped)
             if skipped and not cfg.quiet:
@@ -802,14 +907,9 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                     f"{out / 'skipped_rows.jsonl'}"
                 )
         ck.clean_temporaries(ckpt_dir)
-    if cfg.resume:
-        steps = ck.completed_steps(ckpt_dir)
-        resume_from = ckpt_dir / f"step-{steps[-1]}" if steps else None
-        if main:
-            # the killed run's lines after its checkpoint are redone: drop them before appending
-            _truncate_metrics(out / "metrics.jsonl", steps[-1] if steps else 0)
+        runfolder.clean_temporaries(out)
     if ranks is not None:
-        # the folder exists (and the resumed metrics are cut) before any rank writes to it
+        # the folder exists before any rank writes to it
         ranks.barrier()
     if checkpointing:
         _enable_checkpointing(model)
@@ -839,6 +939,8 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     # one metrics line per step, from rank 0; every rank appends its own events (with its rank)
     metrics: Any = _Log(out / "metrics.jsonl") if main else _NoLog()
     events: Any = _Log(out / "events.jsonl")
+    # closed when the run ends, however it ends (a stopped run leaves no file open)
+    closers.callback(lambda: (metrics.close(), events.close()))
     if main:
         from memfit.train.loggers import open_reporters
 
@@ -876,9 +978,22 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     step, epoch, position, samples_seen = 0, 0, 0, 0
     best: float | None = None
     last_eval: dict[str, float] = {}
-    if resume_from is not None:
+    # what decides which samples each step holds: a resume must find them unchanged
+    settings = _step_settings(cfg, rows_n, lengths)
+    if lock.note is not None:
+        on_event({"type": "lock", "note": lock.note})
+
+    def load(path: Path) -> dict[str, Any]:
+        """Check the checkpoint's settings against this run's, then load it."""
+        changed = _changed_settings(ck.read_state(path).get("settings"), settings)
+        if changed:
+            raise UsageError(
+                f"--resume: {path} was written by a run with other settings that decide which "
+                f"samples each step holds: {'; '.join(changed)}. Resume with the run's settings, "
+                "or start a new run in another folder"
+            )
         state = ck.read_checkpoint(
-            resume_from,
+            path,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -888,9 +1003,26 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             world_size=world,
             sharded=sharded,
         )
+        guard.load_state_dict(state["guard"])
+        return state
+
+    def skip(path: Path, problem: str) -> None:
+        on_event({"type": "checkpoint_skipped", "checkpoint": str(path), "reason": problem})
+        if main and not cfg.quiet:
+            _say(f"memfit: checkpoint {path} skipped: {problem}; trying the one before it")
+
+    picked: tuple[Path, dict[str, Any]] | None = None
+    if cfg.resume and ranks is None:
+        picked = _pick_checkpoint(ckpt_dir, load, skip)
+    elif cfg.resume and ranks is not None:
+        # rank 0 verifies the checkpoints; every rank loads the one it picked
+        found = _pick_checkpoint(ckpt_dir, None, skip) if main else None
+        chosen = ranks.broadcast_object(found[0] if found is not None else None)
+        picked = (chosen, load(chosen)) if chosen is not None else None
+    if picked is not None:
+        resume_from, state = picked
         step, epoch, position = state["step"], state["epoch"], state["position"]
         samples_seen, best = state["samples_seen"], state.get("best")
-        guard.load_state_dict(state["guard"])
         on_event(
             {
                 "type": "resume",
@@ -905,9 +1037,14 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 "type": "resume",
                 "step": 0,
                 "checkpoint": None,
-                "note": "no checkpoint yet: from the start",
+                "note": "no checkpoint yet: from the start"
+                if not ck.completed_steps(ckpt_dir)
+                else "no checkpoint could be read: from the start",
             }
         )
+    if cfg.resume and main:
+        # the killed run's lines after its checkpoint are redone: drop them before appending
+        _truncate_metrics(out / "metrics.jsonl", step)
 
     run_json = {
         "config": dataclasses.asdict(cfg),
@@ -927,12 +1064,14 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             "world_size": world,
             "sharding": cfg.sharding,
             "backend": ranks.backend if ranks is not None else None,
+            # a fine-tuned classifier's head: kept (same labels) or replaced (said on stderr)
+            "classifier_head": getattr(recipe, "head_note", None),
         },
         "plan": planned,
         "versions": _versions(),
     }
     if main:
-        (out / "run.json").write_text(json.dumps(run_json, indent=2), encoding="utf-8")
+        runfolder.write_json(out / "run.json", run_json)
 
     def permutation(ep: int) -> list[int]:
         # a pure function of (seed, epoch): a resumed run recomputes it and goes on at position
@@ -949,6 +1088,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             "best": best,
             "guard": guard.state_dict(),
             "reason": reason,
+            "settings": settings,
         }
         path = ck.write_checkpoint(
             ckpt_dir,
@@ -1046,31 +1186,59 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                 if guard.max_tokens is not None:
                     guard.max_tokens = 1
 
-    def update(number: int, *, probe: bool = False) -> float | None:
+    def update(number: int, *, loss: float | None = None, probe: bool = False) -> float | None:
         """Clip the whole step's gradient and step the optimizer; the returned gradient norm is
         None without clipping. No micro-batch changes what this phase holds (weights, gradients,
         optimizer state), so an OOM here is the end: exit 3 with what would help (on every rank:
-        they agree on it)."""
-        error: str | None = None
-        grad_norm = None
-        try:
+        they agree on it). A loss or gradient that is not finite stops the run before the update
+        (exit 4), unless the fp16 loss scaler is on: it skips such a step itself (and says so)."""
+        grad_norm, norm = None, None
+        with _oom_caught() as caught:
             if scaler is not None and not probe:
                 scaler.unscale_(optimizer)
             if cfg.max_grad_norm:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                grad_norm = norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            elif scaler is None and not probe:
+                # the norm alone (a factor of 1 on every gradient), for the finite check
+                norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
+        agree_oom(number, caught.error)
+        if scaler is None and not probe:
+            values = {"loss": loss, "gradient norm": norm}
+            bad = [
+                f"the {k} is {v}"
+                for k, v in values.items()
+                if v is not None and not math.isfinite(v)
+            ]
+            if ranks is not None and ranks.anyone(bool(bad)) and not bad:
+                bad = ["another rank's loss or gradient is not finite"]
+            if bad:
+                stop_not_finite(number, bad)
+        with _oom_caught() as caught:
             if scaler is not None and not probe:
+                scale = scaler.get_scale()
                 scaler.step(optimizer)
                 scaler.update()
+                if scaler.get_scale() < scale:
+                    on_event(
+                        {
+                            "type": "skip",
+                            "step": number,
+                            "reason": "fp16 loss scaler: the gradient is not finite; the update "
+                            f"is skipped and the scale lowered from {scale:g} to "
+                            f"{scaler.get_scale():g}",
+                        }
+                    )
             else:
                 optimizer.step()
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        agree_oom(number, caught.error)
+        return grad_norm
+
+    def agree_oom(number: int, error: str | None) -> None:
+        """Every rank learns whether any ran out of memory in the update: then all stop."""
         if ranks is not None and ranks.anyone(error is not None) and error is None:
             error = "another rank ran out of memory in its optimizer step"
         if error is None:
-            return grad_norm
+            return
         on_event({"type": "oom", "step": number, "phase": "optimizer", "error": error})
         on_event({"type": "stop", "step": step, "reason": "the optimizer step does not fit"})
         raise NothingFitsError(
@@ -1079,6 +1247,32 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             "--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, "
             + ("--sharding fsdp, " if ranks is not None and sharded is None else "")
             + "or more memory"
+        )
+
+    def stop_not_finite(number: int, bad: list[str]) -> None:
+        """Stop before an update that would write NaN or inf into the weights. The weights are
+        still those of the step before: they are checkpointed when they are finite (a run whose
+        weights already went bad keeps its older checkpoints and adds none)."""
+        optimizer.zero_grad(set_to_none=True)
+        on_event({"type": "not_finite", "step": number, "problems": bad})
+        weights_ok = all(bool(torch.isfinite(p.detach()).all()) for p in params)
+        if ranks is not None:
+            weights_ok = not ranks.anyone(not weights_ok)
+        if weights_ok:
+            save("not finite")
+            kept = f"the weights of step {step} are in {ckpt_dir / f'step-{step}'}"
+        else:
+            steps_kept = ck.completed_steps(ckpt_dir)
+            kept = "the weights were already not finite" + (
+                f"; the newest checkpoint is {ckpt_dir / f'step-{steps_kept[-1]}'}"
+                if steps_kept
+                else " and there is no checkpoint"
+            )
+        on_event({"type": "stop", "step": step, "reason": "loss or gradient not finite"})
+        raise TrainingStoppedError(
+            f"step {number}: {' and '.join(bad)}; stopped before the update ({kept}). Lower "
+            f"--lr{'' if cfg.max_grad_norm else ' or set --max-grad-norm'}, check the data, then "
+            "run again with --resume"
         )
 
     def probe() -> None:
@@ -1169,7 +1363,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             t0 = time.perf_counter()
             loss_value = guarded_step(rows, step + 1)
             peak.phase("optimizer")  # clipping, the update and zero_grad
-            grad_norm = update(step + 1)
+            grad_norm = update(step + 1, loss=loss_value)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1254,9 +1448,11 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         if stopped == "done":
             if eval_rows is not None:
                 last_eval = evaluate()
-            save_model(out / "model")
             if cfg.save_every:
+                # first: a disk that fills up at the model's save loses no step (--resume then
+                # finds the last step done and only writes the model)
                 save("end")
+            save_model(out / "model")
             if main:
                 on_event(
                     {
@@ -1266,13 +1462,115 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
                         "seconds": round(time.perf_counter() - started, 2),
                     }
                 )
-    metrics.close()
-    events.close()
+                # a --resume of this folder now has nothing to do (and says so)
+                run_json["result"] = {
+                    "stopped": "done",
+                    "steps": step,
+                    "samples_seen": samples_seen,
+                    "final_loss": loss_value,
+                    "eval_metrics": last_eval,
+                }
+                runfolder.write_json(out / "run.json", run_json)
     if ranks is not None:
         # every rank is done writing before any leaves (rank 0's model folder included)
         ranks.barrier()
         ranks.close()
     return TrainResult(out, step, samples_seen, loss_value, last_eval, stopped)
+
+
+class _Caught:
+    error: str | None = None
+
+
+@contextlib.contextmanager
+def _oom_caught() -> Any:
+    """Catch an out-of-memory error (its first line lands in ``.error``); others propagate."""
+    from memfit.guard import is_oom
+
+    caught = _Caught()
+    try:
+        yield caught
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        text = str(exc).strip()
+        caught.error = text.splitlines()[0] if text else type(exc).__name__
+
+
+def _pick_checkpoint(
+    folder: Path,
+    load: Callable[[Path], dict[str, Any]] | None,
+    skip: Callable[[Path, str], None],
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies (and loads, with ``load``): its path and state.
+
+    Each one passed over is handed to ``skip`` with the reason. A refused resume (UsageError:
+    changed settings) and an out-of-memory error are not a damaged checkpoint: they propagate.
+    """
+    from memfit.guard import is_oom
+    from memfit.train import checkpoint as ck
+
+    for number in reversed(ck.completed_steps(folder)):
+        path = folder / f"step-{number}"
+        problem = ck.verify(path)
+        if problem is None:
+            try:
+                return path, (load(path) if load is not None else ck.read_state(path))
+            except UsageError:
+                raise
+            except Exception as exc:
+                if is_oom(exc):
+                    raise
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                problem = f"unreadable ({type(exc).__name__}{': ' + first[:200] if first else ''})"
+        skip(path, problem)
+    return None
+
+
+# what decides which samples each step holds, and the flag that sets it
+_STEP_FLAGS = {
+    "effective_batch_size": "--effective-batch-size",
+    "seed": "--seed",
+    "group_by_length": "--group-by-length",
+    "packing": "--packing",
+    "max_seq_len": "--max-seq-len",
+}
+
+
+def _step_settings(cfg: TrainConfig, rows: int, lengths: Sequence[int] | None) -> dict[str, Any]:
+    """The settings a checkpoint records so that a resume can check them: the flags that decide
+    which samples each step holds, the number of training rows and a digest of their lengths in
+    tokens (a changed file almost always changes one)."""
+    import array
+    import hashlib
+
+    digest = (
+        hashlib.sha256(array.array("q", lengths).tobytes()).hexdigest()[:16]
+        if lengths is not None
+        else None
+    )
+    return {
+        **{key: getattr(cfg, key) for key in _STEP_FLAGS},
+        "train_rows": rows,
+        "train_lengths": digest,
+    }
+
+
+def _changed_settings(saved: Any, now: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's settings and this run's, one phrase each (none for a
+    checkpoint of a memfit version that recorded no settings)."""
+    if not isinstance(saved, dict):
+        return []
+    changed = [
+        f"{flag} {saved[key]} then, {now[key]} now"
+        for key, flag in _STEP_FLAGS.items()
+        if key in saved and saved[key] != now[key]
+    ]
+    if saved.get("train_rows") is not None and saved["train_rows"] != now["train_rows"]:
+        changed.append(f"--train-file {saved['train_rows']} rows then, {now['train_rows']} now")
+    elif saved.get("train_lengths") is not None and saved["train_lengths"] != now["train_lengths"]:
+        changed.append("--train-file: its rows are not the ones trained on (their lengths differ)")
+    return changed
 
 
 def _sum_or_none(values: Sequence[float | None]) -> float | None:

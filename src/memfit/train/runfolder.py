@@ -1,0 +1,222 @@
+"""The run folder (``--output-dir``): memfit writes only into folders that are its own.
+
+A folder is a run folder when it holds ``run.lock`` (made before anything else is written) or
+``run.json`` (every run folder of every memfit version has one). An output folder that holds
+anything else, and neither of them, is refused: it may be the model being fine-tuned, or a user's
+work, and a run would replace its ``model/`` folder.
+
+``run.lock`` is also the run's lock: the running process holds an exclusive ``flock`` on it for its
+whole life, so a second run on the same folder is refused at once (with the first one's process
+id). The kernel drops the lock when the process ends, however it ends (``kill -9`` included): there
+is never a stale lock to clean up. Where the file system cannot lock (some network mounts), the run
+goes on unlocked and says so in ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UsageError
+
+LOCK_FILE = "run.lock"
+RUN_FILE = "run.json"
+MARKERS = (LOCK_FILE, RUN_FILE)
+SHOWN_NAMES = 3
+
+try:  # POSIX; elsewhere runs are not locked
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+
+def is_run_folder(folder: Path) -> bool:
+    return any((folder / name).exists() for name in MARKERS)
+
+
+def folder_problems(folder: Path, *, resume: bool, check_lock: bool = True) -> list[str]:
+    """What stops a run from writing into ``folder``, checked without writing anything."""
+    if folder.exists() and not folder.is_dir():
+        return [f"--output-dir: {folder} exists and is not a folder"]
+    if not folder.exists():
+        parent = _nearest_existing(folder)
+        if not parent.is_dir():
+            return [f"--output-dir: {folder}: {parent} is a file, not a folder"]
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return [f"--output-dir: {folder}: {parent} is not writable"]
+        return []
+    try:
+        names = sorted(child.name for child in folder.iterdir())
+    except OSError as exc:
+        return [f"--output-dir: {folder}: {exc.strerror or exc}"]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [f"--output-dir: {folder} is not writable"]
+    if names and not is_run_folder(folder):
+        shown = ", ".join(names[:SHOWN_NAMES]) + (", …" if len(names) > SHOWN_NAMES else "")
+        return [
+            f"--output-dir: {folder} already holds files memfit did not write ({shown}); a run "
+            "would write its model/ and logs over them: choose a new or empty folder"
+        ]
+    if check_lock and (holder := lock_holder(folder)) is not None:
+        return [_in_use(folder, holder)]
+    if not resume and (folder / RUN_FILE).exists():
+        return [
+            f"--output-dir: {folder} already holds a run; add --resume to continue it, "
+            "or choose another folder"
+        ]
+    return []
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _in_use(folder: Path, holder: str) -> str:
+    return (
+        f"--output-dir: {folder} is in use by another memfit train ({holder}); wait for it to "
+        "end or choose another folder"
+    )
+
+
+def lock_holder(folder: Path) -> str | None:
+    """Who holds the folder's lock now ("process 1234"), or None when nobody does."""
+    path = folder / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder_text(path)
+    except OSError:
+        return None  # a file system that cannot lock
+    finally:
+        os.close(fd)
+    return None
+
+
+def _holder_text(path: Path) -> str:
+    try:
+        pid = json.loads(path.read_text(encoding="utf-8")).get("pid")
+    except (OSError, ValueError, AttributeError):
+        pid = None
+    return f"process {pid}" if pid else "another process"
+
+
+class RunLock:
+    """The exclusive lock on ``folder/run.lock`` for the run's lifetime (``release`` ends it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.note: str | None = None
+        self._fd: int | None = None
+
+    def acquire(self, *, resume: bool) -> None:
+        """Make the folder (parents too), take the lock, and check the folder again under it.
+
+        Raises UsageError naming --output-dir when the folder cannot be made, is in use or (for a
+        new run) already holds a run that finished while this one was starting.
+        """
+        try:
+            existed = self.folder.is_dir() and any(self.folder.iterdir())
+            if existed and not is_run_folder(self.folder):
+                raise UsageError(folder_problems(self.folder, resume=resume)[0])
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(f"--output-dir: {self.folder}: {exc.strerror or exc}") from None
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UsageError(
+                    _in_use(self.folder, _holder_text(self.folder / LOCK_FILE))
+                ) from None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
+                    raise UsageError(f"--output-dir: {self.folder}: {exc.strerror}") from None
+                self.note = f"{self.folder} cannot be locked ({exc.strerror}): the run is unlocked"
+        self._fd = fd
+        if not resume and (self.folder / RUN_FILE).exists():
+            self.release()
+            raise UsageError(folder_problems(self.folder, resume=False, check_lock=False)[0])
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid()}).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the lock
+            self._fd = None
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def as_os_error(exc: BaseException, path: Path) -> OSError | None:
+    """The OSError inside a library's own error (safetensors reports a full disk as
+    ``SafetensorError: ... (os error 28)``), or None when it is none."""
+    if isinstance(exc, OSError):
+        return exc
+    match = _OS_ERROR.search(str(exc))
+    if match is None:
+        return None
+    number = int(match.group(1))
+    return OSError(number, os.strerror(number), str(path))
+
+
+def finished(folder: Path) -> dict[str, Any] | None:
+    """The result a finished run recorded in run.json ("stopped": "done"), else None."""
+    try:
+        result = json.loads((folder / RUN_FILE).read_text(encoding="utf-8")).get("result")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return result if isinstance(result, dict) and result.get("stopped") == "done" else None
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write a JSON file whole or not at all (a temporary beside it, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+_MODEL_TEMP = re.compile(r"^\.(tmp|old)-(model|best)-\d+$")
+
+
+def clean_temporaries(folder: Path) -> None:
+    """Remove the half-written model folders a killed run left (``.tmp-model-PID``), and put back
+    a model folder a kill caught between its two renames (only ``.old-model-PID`` is left)."""
+    if not folder.is_dir():
+        return
+    for child in sorted(folder.iterdir()):
+        match = _MODEL_TEMP.match(child.name)
+        if match is None:
+            continue
+        final = folder / match.group(2)
+        if match.group(1) == "old" and not final.exists():
+            os.rename(child, final)
+        else:
+            shutil.rmtree(child, ignore_errors=True)
+    for child in folder.glob(f".{RUN_FILE}.tmp-*"):
+        with contextlib.suppress(OSError):
+            child.unlink()
