@@ -7,6 +7,8 @@ Inputs (``--train-file``/``--eval-file``):
   start with ``[``), JSON (``.json``, a list of objects), Parquet (``.parquet``); CSV, TSV and
   JSON Lines may be gzipped (``.csv.gz`` …);
 - a folder holding such files (read in name order, as managed services hand over input channels);
+  a link in it to a regular file is read as that file; any other entry (a link to a folder, a
+  broken or looping link, a FIFO, a socket) is refused by name and never opened;
 - a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose
   ``train`` split is read for ``--train-file`` and ``validation``/``eval``/``test`` for
   ``--eval-file``).
@@ -18,22 +20,31 @@ through ``datasets`` into an Arrow file in the cache folder (never the input fol
 read-only) and returns a :class:`RowTable` over it, memory-mapped; the Arrow file is reused while
 the input files and the columns asked for are unchanged.
 
+A gzipped file that is corrupt or cut short refuses the whole file (a lost tail is no bad row);
+a JSON line nested too deeply to parse is a bad row at its line.
+
 A row is a dict of the columns asked for plus ``WHERE`` (``"--train-file: data.csv line 7"``), so
 that a recipe can report a problem it only finds later at the right line. Text columns are
-non-empty strings; a label column holds the label's canonical text (``"3"`` for ``3``, ``3.0`` and
-``" 3 "``; a name stripped).
+non-empty strings; a label column holds the label's canonical text (``"3"`` for ``3``, ``3.0``,
+``"3.0"`` and ``" 3 "``; a name stripped). No label: a fraction, NaN, an infinity, a list. Without
+a fixed label set (``--labels``, ``--num-labels``) integer labels are 0 … 2**31-1, and the labels
+of an input are all integers or all names: where both occur, the rows of the rarer kind are bad.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import gzip
 import hashlib
 import json
 import os
 import re
+import stat
+import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +62,14 @@ FORMATS = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 SHOWN_PROBLEMS = 50
 
 _INTEGER = re.compile(r"^[+-]?\d+$")
+# a number written in a label cell ("3.0", "1e30", "1.5"): a label when it is a whole number
+_NUMBER = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$")
+_NOT_A_NUMBER = frozenset({"nan", "+nan", "-nan"})
+_INFINITE = frozenset({"inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"})
+# the largest integer label without a fixed label set (a class id; past it, a data accident)
+MAX_INTEGER_LABEL = 2**31 - 1
+# a JSON value nested past what the parser's recursion allows
+TOO_DEEP = "nested too deeply to read as JSON"
 
 
 def where(row: Row) -> str:
@@ -140,30 +159,83 @@ class LabelRule:
 
     allowed: frozenset[str] | None = None
     source: str = ""
+    # without ``allowed``: the one kind of label the input holds ("integer" or "name"; None:
+    # not decided yet) and how many rows have it (for the message)
+    kind: str | None = None
+    kind_rows: int = 0
 
     def check(self, value: str) -> str | None:
-        if self.allowed is None or value in self.allowed:
+        if self.allowed is None:
+            return self._check_free(value)
+        if value in self.allowed:
             return None
         known = ", ".join(sorted(self.allowed, key=_label_sort_key))
         if self.source == "the training data":
             return f"does not occur in the training data (labels: {known})"
         return f"is not one of the labels given by {self.source} ({known})"
 
+    def _check_free(self, value: str) -> str | None:
+        integer = bool(_INTEGER.match(value))
+        if integer and int(value) < 0:
+            return (
+                "is negative: integer labels count from 0 (name every label with --labels "
+                "to use it)"
+            )
+        if integer and int(value) > MAX_INTEGER_LABEL:
+            return (
+                f"is too large for an integer label (at most {MAX_INTEGER_LABEL}; name every "
+                "label with --labels to use it)"
+            )
+        kind = "integer" if integer else "name"
+        if self.kind is None or kind == self.kind:
+            return None
+        return (
+            f"is {'an integer' if integer else 'a name'}, but the other labels are "
+            f"{self.kind}s ({self.kind_rows} rows): labels are all integers or all names "
+            "(give --labels to name every label)"
+        )
+
 
 def canonical_label(value: Any) -> str | None:
-    """A label's canonical text, or None when ``value`` is no label (a fraction, a list…)."""
+    """A label's canonical text, or None when ``value`` is no label (a fraction, NaN, a list…)."""
+    return _label_text(value)[0]
+
+
+def _label_text(value: Any) -> tuple[str | None, str]:
+    """(the canonical text, "") or (None, why it is no label: "a fraction", "not a number"…)."""
     if isinstance(value, bool) or value is None:
-        return None
+        return None, ""
     if isinstance(value, int):
-        return str(value)
+        return str(value), ""
     if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else None
+        return _float_label(value)
     if isinstance(value, str):
         text = value.strip()
         if not text or any(ch in text for ch in "\n\r\t"):
-            return None  # a line break in a label is a quoting accident, not a name
-        return str(int(text)) if _INTEGER.match(text) else text
-    return None
+            return None, ""  # a line break in a label is a quoting accident, not a name
+        if _INTEGER.match(text):
+            try:
+                return str(int(text)), ""
+            except ValueError:  # more digits than Python converts (4300)
+                return None, "a number too long"
+        if _NUMBER.match(text):
+            return _float_label(float(text))
+        if text.lower() in _NOT_A_NUMBER:
+            return None, "not a number"
+        if text.lower() in _INFINITE:
+            return None, "infinite"
+        return text, ""
+    return None, ""
+
+
+def _float_label(value: float) -> tuple[str | None, str]:
+    if value != value:
+        return None, "not a number"
+    if value in (float("inf"), float("-inf")):
+        return None, "infinite"
+    if not value.is_integer():
+        return None, "a fraction"
+    return str(int(value)), ""
 
 
 def _label_sort_key(text: str) -> tuple[int, int, str]:
@@ -172,7 +244,8 @@ def _label_sort_key(text: str) -> tuple[int, int, str]:
 
 def label_values(texts: Iterable[str]) -> list[int | str]:
     """The sorted label set from canonical texts: integers in numeric order when every label is
-    an integer, else names in text order (a mix of ``1`` and ``neg``: all are names)."""
+    an integer, else names in text order (a mix of ``1`` and ``neg``, which only a fixed label
+    set allows: all are names)."""
     unique = set(texts)
     if unique and all(_INTEGER.match(t) for t in unique):
         return sorted(int(t) for t in unique)
@@ -212,6 +285,12 @@ def resolve_sources(path: str | Path, flag: str) -> list[Source]:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{flag}: {path}: no such file or folder")
+    if not path.is_file() and not path.is_dir():
+        # a FIFO (``<(zcat …)``) would block the first open and could not be read twice
+        raise UsageError(
+            f"{flag}: {path}: {_entry_kind(path.stat())}, not a file or folder (memfit reads "
+            "its data more than once: write it to a file)"
+        )
     if path.is_file():
         kind = _kind_of(path)
         if kind is None:
@@ -222,23 +301,103 @@ def resolve_sources(path: str | Path, flag: str) -> list[Source]:
         return [Source(path, kind)]
     if _is_saved_dataset(path):
         return [Source(path, "arrow", _split_for(path, flag))]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path))
+    listing = _Listing()
+    _walk(path, path, listing)
+    files = sorted(listing.files)
     readable = [p for p in files if _kind_of(p) is not None]
     unreadable = [p for p in files if _kind_of(p) is None]
+    problems = []
+    if listing.odd:
+        odd = sorted(listing.odd)
+        names = ", ".join(f"{p.relative_to(path)} ({why})" for p, why in odd[:5])
+        more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
+        problems.append(
+            f"{flag}: {path}: the folder holds entries memfit does not read: {names}{more} "
+            "(it reads regular files and links to them; move the others out)"
+        )
     if unreadable:
         names = ", ".join(str(p.relative_to(path)) for p in unreadable[:5])
         more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
-        raise UsageError(
+        problems.append(
             f"{flag}: {path}: the folder holds files memfit cannot read: {names}{more} "
             "(it reads .csv, .tsv, .jsonl, .json, .parquet; move the others out)"
         )
+    if problems:
+        raise UsageError("\n".join(problems))
     if not readable:
-        what = "only hidden files and job markers" if any(path.rglob("*")) else "nothing"
+        what = "only hidden files and job markers" if listing.hidden else "nothing"
         raise UsageError(
             f"{flag}: {path}: the folder holds no data files ({what}; memfit reads .csv, .tsv, "
             ".jsonl, .json, .parquet)"
         )
     return [Source(p, _kind_of(p) or "") for p in readable]
+
+
+@dataclass
+class _Listing:
+    """What a data folder holds: its data files (regular files, or links to them), the entries
+    refused (with why) and whether hidden entries were passed over."""
+
+    files: list[Path] = field(default_factory=list)
+    odd: list[tuple[Path, str]] = field(default_factory=list)
+    hidden: bool = False
+
+
+def _walk(folder: Path, root: Path, listing: _Listing) -> None:
+    """List ``folder`` into ``listing``, down its subfolders; never opens an entry that is not a
+    regular file (a FIFO blocks its reader) and never follows a link to a folder (loops)."""
+    try:
+        with os.scandir(folder) as scan:
+            entries = list(scan)
+    except OSError as exc:
+        listing.odd.append((folder, f"a folder that cannot be listed: {exc.strerror or exc}"))
+        return
+    for entry in entries:
+        path = Path(entry.path)
+        if _hidden(path, root):
+            listing.hidden = True
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _walk(path, root, listing)
+                continue
+            if entry.is_file(follow_symlinks=False):
+                listing.files.append(path)
+                continue
+            why = _odd_entry(path)
+        except OSError as exc:
+            why = f"cannot be read: {exc.strerror or exc}"
+        if why is None:
+            listing.files.append(path)  # a link to a regular file: read as that file
+        else:
+            listing.odd.append((path, why))
+
+
+def _odd_entry(path: Path) -> str | None:
+    """Why a folder entry that is neither a folder nor a regular file is refused; None for a
+    link that resolves to a regular file."""
+    if not path.is_symlink():
+        return _entry_kind(path.lstat())
+    try:
+        target = path.stat()
+    except OSError as exc:
+        return "a link that loops" if exc.errno == errno.ELOOP else "a broken link"
+    if stat.S_ISREG(target.st_mode):
+        return None
+    if stat.S_ISDIR(target.st_mode):
+        return "a link to a folder"
+    return f"a link to {_entry_kind(target)}"
+
+
+def _entry_kind(info: os.stat_result) -> str:
+    mode = info.st_mode
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
 
 
 def _suffix(path: Path) -> str:
@@ -288,6 +447,8 @@ class ScanResult:
     problems: list[Problem] = field(default_factory=list)
     rows: int = 0
     labels: set[str] = field(default_factory=set)
+    # the good rows by the kind of their labels ("integer", "name"), in the order first seen
+    kinds: Counter[str] = field(default_factory=Counter)
 
 
 RawRecord = tuple[int | None, Any, str | None]  # (line or row, the record, a parse problem)
@@ -301,7 +462,21 @@ def scan_rows(
     labels: LabelRule | None = None,
 ) -> ScanResult:
     """Check every row of ``path`` for ``columns``; streams the files (nothing kept but problems)."""
-    return _scan(resolve_sources(path, flag), columns, flag, labels or LabelRule())
+    return _checked_scan(resolve_sources(path, flag), columns, flag, labels or LabelRule())[0]
+
+
+def _checked_scan(
+    sources: Sequence[Source], columns: Sequence[Column], flag: str, labels: LabelRule
+) -> tuple[ScanResult, LabelRule]:
+    """The scan, and the label rule it ends with: without a fixed label set, an input whose
+    labels mix integers and names is scanned again with the kind most rows have (on a tie, the
+    kind seen first), so that every row of the other kind is a bad row at its line."""
+    scan = _scan(sources, columns, flag, labels)
+    if labels.allowed is None and labels.kind is None and len(scan.kinds) > 1:
+        kind, rows = max(scan.kinds.items(), key=lambda item: item[1])  # first seen wins a tie
+        labels = replace(labels, kind=kind, kind_rows=rows)
+        scan = _scan(sources, columns, flag, labels)
+    return scan, labels
 
 
 def _scan(
@@ -329,7 +504,10 @@ def _good_rows(
                 if parse_problem is not None:
                     result.problems.append(Problem(flag, name, number, parse_problem, unit))
                     continue
-                row, reasons = _check(record, columns, labels)
+                try:
+                    row, reasons = _check(record, columns, labels)
+                except RecursionError:  # a value nested just below the parser's limit
+                    row, reasons = {}, [TOO_DEEP]
                 if reasons:
                     result.problems.extend(Problem(flag, name, number, r, unit) for r in reasons)
                     continue
@@ -338,6 +516,8 @@ def _good_rows(
                 for column in columns:
                     if column.kind == "label":
                         result.labels.add(row[column.name])
+                        integer = _INTEGER.match(row[column.name])
+                        result.kinds["integer" if integer else "name"] += 1
                 at = f" {unit} {number}" if number is not None else ""
                 row[WHERE] = f"{flag}: {name}{at}"
                 yield row
@@ -371,10 +551,11 @@ def _check(record: Any, columns: Sequence[Column], labels: LabelRule) -> tuple[R
             if value is None or (isinstance(value, str) and not value.strip()):
                 reasons.append(f"column {column.name!r} is empty")
                 continue
-            label = canonical_label(value)
+            label, why = _label_text(value)
             if label is None:
                 reasons.append(
-                    f"column {column.name!r}: a label is an integer or a name, got {value!r}"
+                    f"column {column.name!r}: a label is an integer or a name, got "
+                    f"{_shown_value(value)}" + (f" ({why})" if why else "")
                 )
                 continue
             bad = labels.check(label)
@@ -393,11 +574,35 @@ def _check(record: Any, columns: Sequence[Column], labels: LabelRule) -> tuple[R
 
 
 def _shown(value: Any) -> str:
-    return repr(value.strip()) if isinstance(value, str) else repr(value)
+    return repr(value.strip()) if isinstance(value, str) else _shown_value(value)
+
+
+def _shown_value(value: Any, limit: int = 60) -> str:
+    """A value for a message: a short repr, and what a list or an object is, not its text (it may
+    be huge, or nested too deep to print)."""
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # --- raw records, with their lines -------------------------------------------------------------------
 def _records(source: Source, columns: Sequence[Column], flag: str) -> Iterator[RawRecord]:
+    if not source.path.name.lower().endswith(".gz"):
+        yield from _records_of(source, columns)
+        return
+    try:
+        yield from _records_of(source, columns)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        # the rows past the break are lost: the whole file is refused, never skipped
+        raise _FileProblem(
+            f"not a readable gzip file (corrupt or truncated: {_first_line(exc)})"
+        ) from None
+
+
+def _records_of(source: Source, columns: Sequence[Column]) -> Iterator[RawRecord]:
     if source.kind in ("csv", "tsv"):
         yield from _csv_records(source.path, "\t" if source.kind == "tsv" else ",", columns)
     elif source.kind == "parquet":
@@ -458,6 +663,15 @@ def _csv_records(path: Path, delimiter: str, columns: Sequence[Column]) -> Itera
     if 1 in bad_lines:
         raise _FileProblem(_undecodable(bad_lines, 1, 1) or "", 1)
     header = [h.strip() for h in header]
+    twice = [h for i, h in enumerate(header) if h in header[:i]]
+    if twice:
+        # zip() into a dict would keep the last of them: a column lost without a word
+        times = header.count(twice[0])
+        raise _FileProblem(
+            f"the header names column {twice[0]!r} {'twice' if times == 2 else f'{times} times'} "
+            f"(columns: {', '.join(header)})",
+            1,
+        )
     missing = [c.name for c in columns if c.name not in header]
     if missing:
         raise _FileProblem(
@@ -516,6 +730,12 @@ def _json_records(path: Path, kind: str) -> Iterator[RawRecord]:
         except json.JSONDecodeError as exc:
             yield number, None, f"not JSON ({exc.msg})"
             continue
+        except RecursionError:
+            yield number, None, TOO_DEEP
+            continue
+        except ValueError as exc:  # an integer of more digits than Python converts
+            yield number, None, f"not JSON memfit reads ({_first_line(exc).split(':')[0]})"
+            continue
         yield number, value, None
 
 
@@ -543,7 +763,20 @@ def _json_list_records(text: str) -> Iterator[RawRecord]:
             raise _FileProblem(
                 f"not JSON ({exc.msg}); the rest of the file is unread", line_at(exc.pos)
             ) from None
-        yield line_at(start), value, None
+        except (RecursionError, ValueError) as exc:
+            # too deep (or too long a number) to parse, but its end can be found: a bad row
+            end = _value_end(text, start)
+            if end is None:
+                raise _FileProblem(
+                    f"{TOO_DEEP if isinstance(exc, RecursionError) else 'not JSON'}; the rest "
+                    "of the file is unread",
+                    line_at(start),
+                ) from None
+            reason = TOO_DEEP if isinstance(exc, RecursionError) else "not JSON memfit reads"
+            yield line_at(start), None, reason
+            index = end
+        else:
+            yield line_at(start), value, None
         index = skip_space(index)
         if index < len(text) and text[index] == ",":
             index += 1
@@ -559,6 +792,28 @@ def _json_list_records(text: str) -> Iterator[RawRecord]:
             raise _FileProblem("not JSON (expecting ',' or ']')", line_at(index))
 
 
+def _value_end(text: str, start: int) -> int | None:
+    """The index just past the JSON array or object that starts at ``start`` (brackets counted
+    outside strings, without recursion), or None when it is not one or never closes."""
+    if start >= len(text) or text[start] not in "[{":
+        return None
+    depth, index, length = 0, start, len(text)
+    while index < length:
+        char = text[index]
+        if char == '"':
+            index += 1
+            while index < length and text[index] != '"':
+                index += 2 if text[index] == "\\" else 1
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+        index += 1
+    return None
+
+
 def _parquet_records(path: Path, columns: Sequence[Column]) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
@@ -567,6 +822,9 @@ def _parquet_records(path: Path, columns: Sequence[Column]) -> Iterator[RawRecor
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for files that are not Parquet
         raise _FileProblem(f"not a Parquet file ({_first_line(exc)})") from None
     names = handle.schema_arrow.names
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:
+        raise _FileProblem(f"column {twice[0]!r} occurs twice (columns: {', '.join(names)})")
     missing = [c.name for c in columns if c.name not in names]
     if missing:
         raise _FileProblem(f"no column {missing[0]!r} (columns: {', '.join(names)})")
@@ -692,7 +950,12 @@ def _cache_folder(cache_dir: str | None) -> Path:
 
 
 def _fingerprint(sources: Sequence[Source], columns: Sequence[Column], labels: LabelRule) -> str:
-    parts = [repr([(c.name, c.kind) for c in columns]), repr(sorted(labels.allowed or [])), "v1"]
+    parts = [
+        repr([(c.name, c.kind) for c in columns]),
+        repr(sorted(labels.allowed or [])),
+        repr(labels.kind),
+        "v2",
+    ]
     for source in sources:
         root = source.path
         files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
@@ -709,8 +972,12 @@ def _generate(
     flag: str,
     allowed: list[str] | None,
     source_text: str,
+    kind: str | None = None,
+    kind_rows: int = 0,
 ) -> Iterator[Row]:
-    labels = LabelRule(frozenset(allowed) if allowed is not None else None, source_text)
+    labels = LabelRule(
+        frozenset(allowed) if allowed is not None else None, source_text, kind, kind_rows
+    )
     yield from _good_rows(sources, columns, flag, labels, ScanResult())
 
 
@@ -728,7 +995,7 @@ def read_rows(
     columns = [c if isinstance(c, Column) else Column(c) for c in required]
     labels = labels or LabelRule()
     sources = resolve_sources(path, flag)
-    scan = _scan(sources, columns, flag, labels)
+    scan, labels = _checked_scan(sources, columns, flag, labels)
     whole_file = any(p.whole_file for p in scan.problems)
     if scan.problems and (whole_file or not options.skip_bad_rows):
         error = DataError(scan.problems)
@@ -763,6 +1030,8 @@ def read_rows(
             "flag": flag,
             "allowed": sorted(labels.allowed) if labels.allowed is not None else None,
             "source_text": labels.source,
+            "kind": labels.kind,
+            "kind_rows": labels.kind_rows,
         },
     )
     return RowTable(dataset, skipped=scan.problems, labels=scan.labels)

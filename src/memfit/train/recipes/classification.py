@@ -5,10 +5,23 @@ integers (CSV cells that read as integers count as integers), anything else is a
 config maps ids to them (``id2label``/``label2id``). Each chunk is padded to its own longest text,
 not to ``max_seq_len``, so a chunk of short texts costs short-text memory. The loss is summed
 per-sample cross-entropy over the step's sample count (the contract in ``base.py``).
+
+Labels (see :mod:`memfit.data.rows`): ``--labels a,b,c`` fixes the set (ids in that order),
+``--num-labels N`` makes it the integers 0…N-1 (any other value is a bad row at its line);
+without either it is the training file's values, all integers (0 … 2**31-1, in numeric order) or
+all names. No label: a fraction, NaN, an infinity, a negative or huge integer without ``--labels``.
+
+A ``--model`` that already has a classification head (its config names a
+``…ForSequenceClassification`` architecture) keeps that head when its ``id2label`` names are the
+data's labels: the labels then take the head's ids. Any other label set gets a fresh head of the
+right size (the body's weights kept), and memfit says so on stderr; ``head_note`` says what was
+done, for ``run.json``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,6 +50,57 @@ Label = int | str
 
 # the prefix of the token columns ``prepare`` adds to the rows
 ENCODED = "__enc_"
+# how many label names a message shows
+SHOWN_LABELS = 10
+
+
+def _names(labels: Sequence[Any]) -> str:
+    shown = ", ".join(str(x) for x in labels[:SHOWN_LABELS])
+    return shown + (f", … ({len(labels)} in all)" if len(labels) > SHOWN_LABELS else "")
+
+
+def head_labels(config: Any) -> list[str] | None:
+    """The label names of the classification head a model config describes, in id order; None
+    when the model has no such head (its architectures name no ``…ForSequenceClassification``)."""
+    architectures = getattr(config, "architectures", None) or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return None
+    id2label = getattr(config, "id2label", None) or {}
+    try:
+        ids = sorted(int(i) for i in id2label)
+    except (TypeError, ValueError):
+        return None
+    if ids != list(range(len(ids))) or not ids:
+        return None
+    by_id = {int(i): str(name) for i, name in id2label.items()}
+    return [by_id[i] for i in ids]
+
+
+def _head_texts(names: Sequence[str]) -> list[str | None]:
+    """The canonical label texts of a head's names; transformers' default names ``LABEL_0`` …
+    (a head trained on integer labels) stand for the integers."""
+    if all(name == f"LABEL_{i}" for i, name in enumerate(names)):
+        return [str(i) for i in range(len(names))]
+    return [canonical_label(name) for name in names]
+
+
+def fresh_head(model: Any) -> None:
+    """Re-initialise every module of ``model`` outside its body (``base_model_prefix``): the
+    head, as transformers initialises a head it did not find in the checkpoint."""
+    prefix = getattr(model, "base_model_prefix", "")
+    init = getattr(model, "_init_weights", None)
+    for name, child in model.named_children():
+        if name == prefix or not list(child.parameters()):
+            continue
+        for module in child.modules():
+            # transformers 5 skips tensors it marked as loaded
+            module._is_hf_initialized = False
+            for parameter in module.parameters(recurse=False):
+                parameter._is_hf_initialized = False
+            if init is not None:
+                init(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
 
 def accuracy(predictions: list[int], labels: list[int]) -> float:
@@ -112,6 +176,9 @@ class ClassificationRecipe(Recipe):
             self._set_labels(list(range(num_labels)), [str(i) for i in range(num_labels)])
             self._fixed = f"--num-labels {num_labels}"
         self.tokenizer: Any = None
+        # what became of the head of a --model that has one (kept, or replaced and why), for
+        # run.json; None when the model had no head (a fresh one, as for any base model)
+        self.head_note: str | None = None
 
     def _set_labels(self, labels: Sequence[Label], canonical: Sequence[str]) -> None:
         self.labels = list(labels)
@@ -159,21 +226,58 @@ class ClassificationRecipe(Recipe):
 
         if not self.labels:
             raise RuntimeError("ClassificationRecipe: read() sets the labels; call it first")
+        fresh = self._match_head()
         id2label = {i: str(label) for i, label in enumerate(self.labels)}
         kwargs: dict[str, Any] = {
             "num_labels": len(self.labels),
             "id2label": id2label,
             "label2id": {name: i for i, name in id2label.items()},
         }
+        if fresh:
+            # an old head of another size is no error: the head is replaced below anyway
+            kwargs["ignore_mismatched_sizes"] = True
         if self.attn_implementation:
             kwargs["attn_implementation"] = self.attn_implementation
         self._load_tokenizer()
         self.model = load_pretrained(
             AutoModelForSequenceClassification.from_pretrained, self.model_name, **kwargs
         )
+        if fresh:
+            fresh_head(self.model)
         if getattr(self.model.config, "pad_token_id", None) is None:
             # the classification head finds each row's last real token through pad_token_id
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
+
+    def _match_head(self) -> bool:
+        """Whether the model's own classification head must be replaced by a fresh one (said on
+        stderr); when its label names are the data's, the labels take its ids instead."""
+        from transformers import AutoConfig
+
+        self.head_note = None
+        config = load_pretrained(AutoConfig.from_pretrained, self.model_name)
+        names = head_labels(config)
+        if names is None:
+            return False
+        texts = _head_texts(names)
+        mine = {str(label): label for label in self.labels}
+        if None not in texts and len(texts) == len(mine) and set(texts) == set(mine):
+            order = [str(t) for t in texts]
+            self._set_labels([mine[t] for t in order], order)
+            self.head_note = (
+                f"the classifier head of {self.model_name} has the labels of the data "
+                f"({_names(names)}): it is kept, with its label ids"
+            )
+            return False
+        given = "the data has" if not self._fixed else f"{self._fixed.split()[0]} gives"
+        count = len(self.labels)
+        self.head_note = (
+            f"the classifier head of {self.model_name} has {len(names)} labels "
+            f"({_names(names)}); {given} {count} ({_names(self.labels)}): a new {count}-label "
+            "head is trained (the body's weights are kept)"
+        )
+        if os.environ.get("RANK", "0") in ("", "0"):  # several ranks: rank 0 says it once
+            print(f"memfit: {self.head_note}", file=sys.stderr, flush=True)
+        return True
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -29,6 +29,19 @@ LOSSES = ("mnrl", "cached-mnrl")
 
 # the GradCache mini-batch of --loss cached-mnrl when the guard gives none
 DEFAULT_MINI_BATCH_SIZE = 32
+# the losses whose negatives are the other pairs of the step (all of them, for now)
+IN_BATCH_NEGATIVES = frozenset(LOSSES)
+
+
+def batch_problems(loss: str, effective_batch_size: int) -> list[str]:
+    """The problems of a step size for ``loss``: with in-batch negatives one pair per step has no
+    negative, so its loss is 0 and nothing is learnt (for ``config_problems``)."""
+    if loss in IN_BATCH_NEGATIVES and effective_batch_size == 1:
+        return [
+            f"--effective-batch-size: 1 pair per step leaves --loss {loss} no in-batch "
+            "negatives (its loss is 0); use 2 or more"
+        ]
+    return []
 
 
 def retrieval_accuracy(anchors: torch.Tensor, positives: torch.Tensor) -> float:
@@ -105,7 +118,14 @@ class SentenceEmbeddingRecipe(Recipe):
 
     def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
         columns = [Column(self.anchor_column), Column(self.positive_column)]
-        return read_rows(path, columns, flag=flag, options=self.data_options)
+        rows = read_rows(path, columns, flag=flag, options=self.data_options)
+        if flag == "--train-file" and len(rows) < 2 and self.loss_name in IN_BATCH_NEGATIVES:
+            left = " left after skipping bad rows" if rows.skipped else ""
+            raise UsageError(
+                f"{flag}: {path}: {len(rows)} pair{left}: --loss {self.loss_name} needs 2 or "
+                "more (the other pairs of a step are its negatives)"
+            )
+        return rows
 
     def prepare(self, rows: Sequence[Row]) -> Sequence[Row]:
         if not isinstance(rows, RowTable):
