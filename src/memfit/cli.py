@@ -282,6 +282,11 @@ def plan_command(
     trace_depth: TraceDepth = "auto",
 ) -> None:
     """Fit a fine-tuning job into a memory budget, effective batch kept; exit 3 if nothing fits."""
+    if write_config is not None:
+        from memfit.paths import check_writable_file
+
+        # a folder that is missing or read-only fails now, not after the plan's traces
+        check_writable_file(write_config, "--write-config")
     levers = [a for a in (allow or "").split(",") if a.strip()]
     profile = None
     columns = [c.strip() for c in text_column.split(",") if c.strip()]
@@ -526,6 +531,56 @@ def _train_setup_status(message: str, subject: str) -> contextlib.AbstractContex
     return progress.status(message, subject=subject, end_on_output=True)
 
 
+# the seeds memfit train accepts: numpy's legacy seeding takes < 2**32, torch < 2**64 (and the
+# run seeds its data order with seed × 1,000,003 + epoch, which must stay below 2**64 too)
+MAX_SEED = 2**32 - 1
+
+
+def _batch_settings(settings: dict[str, Any], default_effective: int) -> None:
+    """Settle the batch keys in ``settings`` (flags, config file and environment merged): the
+    micro-batch, the accumulation steps and the effective batch must agree where all are given
+    (micro × accumulation × ranks = effective); a missing one follows from the others (the
+    effective batch, else ``default_effective``). The accumulation steps then leave ``settings``:
+    the run derives them from the other two."""
+    from memfit.train.distributed import launched_world_size
+
+    micro = settings.get("micro_batch_size")
+    steps = settings.pop("gradient_accumulation_steps", None)
+    effective = settings.get("effective_batch_size")
+    world = settings.get("world_size") or launched_world_size()
+    if steps is None:
+        if effective is None and micro:
+            # a planned config names the micro-batch; the effective batch follows from it
+            settings["effective_batch_size"] = int(micro) * int(world)
+        return
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise UsageError(f"--gradient-accumulation-steps: must be ≥ 1, got {steps}")
+    if not all(isinstance(x, int) for x in (micro or 0, effective or 0, world)):
+        return  # a setting of the wrong kind: the run's own checks name it
+    ranks = f" × {world} ranks (--world-size)" if world > 1 else ""
+    if micro is None:
+        # the accumulation steps pin the micro-batch: the effective batch ÷ (steps × ranks)
+        total = effective if effective is not None else default_effective
+        per_step = steps * world
+        if total % per_step:
+            raise UsageError(
+                f"--gradient-accumulation-steps {steps}{ranks} does not divide "
+                f"--effective-batch-size {total}; give an effective batch that is a multiple "
+                f"of {per_step}, or leave --gradient-accumulation-steps out"
+            )
+        settings["micro_batch_size"] = total // per_step
+        return
+    product = micro * steps * world
+    if effective is None:
+        settings["effective_batch_size"] = product
+    elif effective != product:
+        raise UsageError(
+            f"--micro-batch-size {micro} × --gradient-accumulation-steps {steps}{ranks} = "
+            f"{product}, but --effective-batch-size is {effective}; make them agree, or leave "
+            "one of the three out (it follows from the other two)"
+        )
+
+
 @app.command("train")
 def train_command(
     config: Annotated[
@@ -658,6 +713,17 @@ def train_command(
     ] = None,
 ) -> None:
     """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
+    # flags that are wrong whatever the config file says: refused before torch is imported
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed: must be a whole number from 0 to {MAX_SEED}, got {seed}")
+    if gradient_accumulation_steps is not None and gradient_accumulation_steps < 1:
+        raise UsageError(
+            f"--gradient-accumulation-steps: must be ≥ 1, got {gradient_accumulation_steps}"
+        )
+    if cache_dir is not None:
+        from memfit.paths import check_writable_dir
+
+        check_writable_dir(cache_dir, "--cache-dir")
     # torch, the model, tokenizing and the plan take seconds to minutes before step 1
     with _train_setup_status(
         "loading torch and transformers", subject=f"memfit train {model or config or ''}".strip()
@@ -744,14 +810,13 @@ def train_command(
             settings["memory_cap"] = parse_size(memory_cap, name="--memory-cap")
         if settings.get("max_grad_norm") == 0:
             settings["max_grad_norm"] = None
-        # a planned config names the micro-batch; the effective batch follows from the plan keys
-        if settings.get("effective_batch_size") is None and settings.get("micro_batch_size"):
-            settings["effective_batch_size"] = (
-                int(settings["micro_batch_size"])
-                * int(settings.get("gradient_accumulation_steps") or 1)
-                * int(settings.get("world_size") or 1)
-            )
-        settings.pop("gradient_accumulation_steps", None)
+        # (a dataclass field's default is its class attribute)
+        _batch_settings(settings, TrainConfig.effective_batch_size)
+        if settings.get("cache_dir") and cache_dir is None:
+            from memfit.paths import check_writable_dir
+
+            # from the config file or the environment: checked before the model loads too
+            check_writable_dir(settings["cache_dir"], "--cache-dir")
         missing = [
             f"--{k.replace('_', '-')}"
             for k in ("task", "model", "train_file", "output_dir")
@@ -774,7 +839,8 @@ def train_command(
         result = train(TrainConfig(**settings, resume=resume))
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # several ranks: rank 0 reports the run
-    if result.stopped == "done":
+    if result.stopped in ("done", "finished"):
+        # "finished": a --resume of a done run (a managed job started again) publishes it too
         published = publish_model(result.output_dir, os.environ)
         if published is not None:
             typer.echo(f"model copied to {published} (SM_MODEL_DIR)")
@@ -1133,6 +1199,15 @@ def _main(argv: list[str] | None = None) -> Any:
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
+    except OSError as exc:
+        from memfit.paths import is_user_os_error, os_error_line
+
+        # the last resort for a path or disk the user gave (full, read-only, not there, a file
+        # where a folder should be): one line, exit 2; the commands check their destinations
+        # first, with the flag's name. Any other OSError is a bug: its traceback, exit 1
+        if not is_user_os_error(exc):
+            raise
+        _fail(os_error_line(exc), 2)
     return None
 
 

@@ -114,13 +114,22 @@ def quiet_transformers() -> None:
 def load(loader: Callable[..., T], folder: Path, **kwargs: Any) -> T:
     """``loader(folder, **kwargs)`` with no remote code and no download; a load that fails is one
     line naming MODEL_DIR."""
+    from memfit.models.folder import check_for_loader, mismatch_message
+
     quiet_transformers()
+    # the config, tokenizer files and weights' headers first (the checks memfit train makes)
+    check_for_loader(loader, folder, "MODEL_DIR", without="the outputs would be random")
     try:
         return loader(str(folder), trust_remote_code=False, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
         raise UsageError(f"MODEL_DIR: cannot load {folder}: {first}") from None
+    except RuntimeError as exc:
+        message = mismatch_message(exc, str(folder), "MODEL_DIR")
+        if message is None:
+            raise
+        raise UsageError(message) from None
 
 
 def load_predict_model(folder: Path, task: str) -> Any:

@@ -14,8 +14,11 @@ before it writes), so a row's place in the file is its place in the input.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -30,7 +33,10 @@ OutputT = TypeVar("OutputT", bound="AtomicOutput")
 
 
 def check_output(path: str | Path, suffixes: tuple[str, ...]) -> list[str]:
-    """Problems with ``--output``: a suffix the command does not write, a missing folder."""
+    """Problems with ``--output``: a suffix the command does not write, a folder that is missing
+    or cannot be written in, a folder where the file should be (checked before any work)."""
+    from memfit.paths import file_problem
+
     out = Path(path)
     problems = []
     if out.suffix.lower() not in suffixes:
@@ -38,16 +44,17 @@ def check_output(path: str | Path, suffixes: tuple[str, ...]) -> list[str]:
             f"--output: {out} must end in {' or '.join(suffixes)} "
             f"(got {out.suffix or 'no suffix'!r})"
         )
-    if not out.parent.is_dir():
-        problems.append(f"--output: the folder {out.parent} does not exist")
-    elif out.is_dir():
-        problems.append(f"--output: {out} is a folder; give a file name")
+    problem = file_problem(out, "--output")
+    if problem is not None:
+        problems.append(problem)
     return problems
 
 
 class AtomicOutput:
     """A file written under a temporary name and renamed into place at the end (a context
-    manager: a clean exit commits, an exception removes the temporary file)."""
+    manager: a clean exit commits, an exception removes the temporary file). A disk that fills
+    up (or a folder that stops taking writes) half-way is a UsageError naming ``--output``, and
+    the temporary file is gone."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -73,18 +80,37 @@ class AtomicOutput:
             self.abort()
             raise
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around every write: a disk or folder that refuses it (full, read-only, gone) is a
+        UsageError naming ``--output``; the caller's exit then removes the temporary file."""
+        from memfit.paths import is_user_os_error
+
+        try:
+            yield
+        except OSError as exc:
+            if not is_user_os_error(exc):
+                raise
+            raise UsageError(
+                f"--output: {self.path}: {exc.strerror or exc}; nothing was written (the partial "
+                "file was removed)"
+            ) from None
+
     def _close(self) -> None:
         """Flush and close what is open (subclasses)."""
 
     def commit(self) -> None:
-        self._close()
-        if not self.temporary.exists():
-            raise RuntimeError(f"{self.path}: nothing was written")  # pragma: no cover
-        os.replace(self.temporary, self.path)
+        with self._writing():
+            self._close()
+            if not self.temporary.exists():
+                raise RuntimeError(f"{self.path}: nothing was written")  # pragma: no cover
+            os.replace(self.temporary, self.path)
 
     def abort(self) -> None:
         try:
             self._close()
+        except OSError:
+            pass  # a full disk refuses the last flush too: the file goes anyway
         finally:
             self.temporary.unlink(missing_ok=True)
 
@@ -94,17 +120,25 @@ class JsonlOutput(AtomicOutput):
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
-        self._handle = open(self.temporary, "w", encoding="utf-8")  # noqa: SIM115 - closed in _close
+        with self._writing():
+            self._handle = open(self.temporary, "w", encoding="utf-8")  # noqa: SIM115 - closed in _close
 
     def write(self, records: list[dict[str, Any]]) -> None:
-        self._handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        with self._writing():
+            self._handle.write(text)
         self.rows += len(records)
 
     def _close(self) -> None:
         if not self._handle.closed:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
+            try:
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+            finally:
+                # closed even when the flush fails (a full disk): a second close has nothing
+                # left to flush
+                with contextlib.suppress(OSError):
+                    self._handle.close()
 
 
 class NpyOutput(AtomicOutput):
@@ -116,11 +150,25 @@ class NpyOutput(AtomicOutput):
         self._matrix: np.memmap[Any, Any] | None = None
 
     def write(self, matrix: np.ndarray[Any, Any]) -> None:
+        with self._writing():
+            self._write(matrix)
+
+    def _write(self, matrix: np.ndarray[Any, Any]) -> None:
         if self._matrix is None:
             # the width is known at the first block; the file holds every row from the start
             self._matrix = np.lib.format.open_memmap(
                 self.temporary, mode="w+", dtype=np.float32, shape=(self.total, matrix.shape[1])
             )
+            # the map's file is sparse: reserve its blocks now, so a disk too small is an
+            # OSError here, not a SIGBUS when a page of the map is first written
+            with open(self.temporary, "r+b") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                with contextlib.suppress(AttributeError):  # no posix_fallocate (macOS)
+                    try:
+                        os.posix_fallocate(handle.fileno(), 0, size)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                            raise  # EINVAL/EOPNOTSUPP: a file system without it
         self._matrix[self.rows : self.rows + len(matrix)] = matrix
         self.rows += len(matrix)
 
@@ -156,6 +204,10 @@ class ParquetOutput(AtomicOutput):
         self._writer: Any = None
 
     def write(self, rows: list[int], ids: list[Any] | None, matrix: np.ndarray[Any, Any]) -> None:
+        with self._writing():
+            self._write(rows, ids, matrix)
+
+    def _write(self, rows: list[int], ids: list[Any] | None, matrix: np.ndarray[Any, Any]) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 

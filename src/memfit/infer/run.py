@@ -206,8 +206,17 @@ def config_problems(cfg: InferConfig) -> list[str]:
             problems.append(f"--device: unknown value {cfg.device!r}; choose cpu or cuda")
         elif cfg.device == "cuda" and not torch.cuda.is_available():
             problems.append("--device cuda: this machine has no CUDA GPU; use --device cpu")
-    if cfg.events is not None and not Path(cfg.events).parent.is_dir():
-        problems.append(f"--events: the folder {Path(cfg.events).parent} does not exist")
+    from memfit.paths import dir_problem, file_problem
+
+    # destinations that cannot be written fail now, before the model loads and the rows run
+    if cfg.events is not None:
+        problem = file_problem(cfg.events, "--events")
+        if problem is not None:
+            problems.append(problem)
+    if cfg.cache_dir is not None:
+        problem = dir_problem(cfg.cache_dir, "--cache-dir")
+        if problem is not None:
+            problems.append(problem)
     columns = [cfg.text_column, cfg.text_pair_column]
     if cfg.id_column is not None and cfg.id_column in columns:
         problems.append(f"--id-column: {cfg.id_column!r} is also a text column; pick another")
