@@ -32,18 +32,19 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/_tiny.py
 
 
 def _model(folder: Path, layers: int, hidden: int) -> str:
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
+
+    from _tiny import save_bert_tokenizer
 
     words = [f"w{i}" for i in range(500)]
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    tokenizer = save_bert_tokenizer(folder, words)
     config = BertConfig(
-        vocab_size=len(vocab),
+        vocab_size=len(tokenizer),
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 64),

@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/_tiny.py
 
 from memfit.infer.embed import embed  # noqa: E402
 from memfit.infer.predict import predict  # noqa: E402
@@ -57,20 +58,19 @@ def build_models(root: Path) -> dict[str, str]:
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
-        BertTokenizerFast,
         GPT2Config,
         GPT2LMHeadModel,
         PreTrainedTokenizerFast,
     )
 
+    from _tiny import save_bert_tokenizer
     from memfit.train.demo import minilm_path
 
     torch.manual_seed(0)
     classifier, lm = root / "classifier", root / "lm"
     classifier.mkdir()
     lm.mkdir()
-    (classifier / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=str(classifier / "vocab.txt")).save_pretrained(classifier)
+    save_bert_tokenizer(classifier, WORDS)
     BertForSequenceClassification(
         BertConfig(
             vocab_size=len(VOCAB),

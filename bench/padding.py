@@ -51,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/_tiny.py
 
 from memfit.train.run import TrainConfig, train  # noqa: E402
 
@@ -61,12 +62,13 @@ VOCAB_WORDS = 1000
 
 def build_classifier(folder: Path, *, max_seq_len: int) -> None:
     """A small BERT (4 layers × 128 hidden) with a word-level tokenizer, saved like a Hub model."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
+
+    from _tiny import save_bert_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB_WORDS)]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    save_bert_tokenizer(folder, vocab[5:])
     config = BertConfig(
         vocab_size=len(vocab),
         hidden_size=128,

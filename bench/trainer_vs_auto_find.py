@@ -46,6 +46,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/_tiny.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -56,12 +57,13 @@ PER_DEVICE, ACCUMULATION = 8, 2
 
 def build_model(folder: Path, hidden: int, layers: int) -> str:
     """A BERT with dropout off and its own word vocabulary, saved like a Hub folder."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from _tiny import save_bert_tokenizer
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    save_bert_tokenizer(folder, WORDS)
     config = BertConfig(
         vocab_size=len(vocab),
         hidden_size=hidden,

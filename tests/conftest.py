@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +14,50 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # traces cached on disk go to a fresh folder per test session
 os.environ.setdefault("MEMFIT_CACHE_DIR", tempfile.mkdtemp(prefix="memfit-cache-"))
+
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def save_bert_tokenizer(folder: Path, words: Sequence[str]) -> Any:
+    """A BERT WordPiece tokenizer that knows ``words`` (ids 5, 6, … after the 5 specials), saved
+    in ``folder`` and read back with AutoTokenizer; checked: a sentence of the words encodes to
+    their ids. (``BertTokenizerFast(vocab_file=...)`` ignores the file under transformers 5: every
+    word would be [UNK].)"""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import AutoTokenizer, BertTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *words])}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    wordpiece.decoder = decoders.WordPiece()
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(
+        tokenizer_object=wordpiece,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    ).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == len(vocab), (len(tokenizer), len(vocab))
+    sample = list(words)[:8]
+    ids = tokenizer(" ".join(sample))["input_ids"]
+    assert ids == [vocab["[CLS]"], *(vocab[w] for w in sample), vocab["[SEP]"]], ids
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def bert_tokenizer() -> Callable[[Path, Sequence[str]], Any]:
+    """:func:`save_bert_tokenizer`, for test modules (a conftest is not imported by name)."""
+    return save_bert_tokenizer
 
 
 def _save(config, path: Path) -> str:
@@ -87,4 +133,10 @@ def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
     GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    # the BPE knows the sentences: no unknown pieces, and the text comes back whole
+    reloaded = AutoTokenizer.from_pretrained(folder)
+    ids = reloaded(SENTENCES[0])["input_ids"]
+    assert len(ids) < len(SENTENCES[0]) and reloaded.decode(ids) == SENTENCES[0], ids
     return str(folder)

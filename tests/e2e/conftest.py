@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 # the vocabulary of the tiny classifier: the words w0 … w59 (the tests' data uses these)
@@ -9,17 +11,15 @@ WORDS = [f"w{i}" for i in range(60)]
 
 
 @pytest.fixture(scope="session")
-def tiny_classifier(tmp_path_factory: pytest.TempPathFactory) -> str:
+def tiny_classifier(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
     """A 2-layer BERT (dropout off, seeded weights) with its own tiny vocabulary."""
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     folder = tmp_path_factory.mktemp("tiny-classifier")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    tokenizer = bert_tokenizer(folder, WORDS)
     config = BertConfig(
-        vocab_size=len(vocab),
+        vocab_size=len(tokenizer),
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,

@@ -33,13 +33,6 @@ TOLERANCE = 1e-5
 NO_LIMIT = 1 << 40
 
 
-def _tokenizer(folder: Path) -> None:
-    from transformers import BertTokenizerFast
-
-    (folder / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
-
-
 def _word_tokenizer(folder: Path) -> None:
     """A GPT-2-like tokenizer: one token per word, no special tokens added."""
     from tokenizers import Tokenizer
@@ -52,6 +45,10 @@ def _word_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="[UNK]", pad_token="[PAD]", eos_token="[SEP]"
     ).save_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(" ".join(WORDS[:8]))["input_ids"]
+    assert ids == [VOCAB.index(w) for w in WORDS[:8]], ids
 
 
 def _bert_config(**extra: Any) -> Any:
@@ -71,7 +68,7 @@ def _bert_config(**extra: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def models(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> dict[str, Path]:
     """A classifier saved as a `memfit train` run folder, a GPT-2 causal LM and a
     sentence-transformers folder (BERT + mean pooling), all 2 layers × 32 wide, seeded."""
     from sentence_transformers import SentenceTransformer
@@ -85,7 +82,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     classifier = run / "model"
     classifier.mkdir(parents=True)
     (run / "run.json").write_text("{}")
-    _tokenizer(classifier)
+    bert_tokenizer(classifier, WORDS)
     labels = {0: "neg", 1: "pos", 2: "neutral"}
     config = _bert_config(num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()})
     BertForSequenceClassification(config).save_pretrained(classifier)
@@ -109,7 +106,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ).save_pretrained(lm)
     encoder = root / "encoder"
     encoder.mkdir()
-    _tokenizer(encoder)
+    bert_tokenizer(encoder, WORDS)
     BertModel(_bert_config()).save_pretrained(encoder)
     transformer = Transformer(str(encoder), max_seq_length=128)
     pooling = Pooling(transformer.get_embedding_dimension(), "mean")

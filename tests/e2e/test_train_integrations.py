@@ -153,17 +153,13 @@ def test_sentence_embedding_adapter_loads_with_sentence_transformers(
 
 # --- LoRA: the run's memory is what memfit.estimate(..., lora_rank=R) predicts -------------------
 @pytest.fixture(scope="module")
-def medium_classifier(tmp_path_factory: pytest.TempPathFactory) -> str:
+def medium_classifier(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
     """A 4-layer BERT of hidden size 256 (the truth benchmark's bert-l4-h256, with the tests'
     60-word vocabulary): big enough that a step's memory is activations, not constant costs."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     folder = tmp_path_factory.mktemp("medium-classifier")
-    (folder / "vocab.txt").write_text(
-        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n"
-    )
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
-    tokenizer.save_pretrained(folder)
+    tokenizer = bert_tokenizer(folder, WORDS)
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,14 +22,12 @@ LENGTHS = [4, 8, 4, 3]  # sum 19
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
     """A WordPiece tokenizer (one token per word) next to a tiny BERT config with 16 positions."""
-    from transformers import BertConfig, BertTokenizerFast
+    from transformers import BertConfig
 
     folder = tmp_path_factory.mktemp("tok")
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(folder)
+    bert_tokenizer(folder, WORDS)
     BertConfig(
         vocab_size=len(WORDS) + 5,
         hidden_size=16,

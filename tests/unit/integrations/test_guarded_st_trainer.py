@@ -31,17 +31,15 @@ WORDS = [f"w{i}" for i in range(40)]
 
 
 @pytest.fixture(scope="module")
-def st_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+def st_folder(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
     """A 2-layer BERT (dropout off) with its own word-level vocabulary, as a plain HF folder
     (SentenceTransformer wraps it with mean pooling)."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     folder = tmp_path_factory.mktemp("tiny-st")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    tokenizer = bert_tokenizer(folder, WORDS)
     config = BertConfig(
-        vocab_size=len(vocab),
+        vocab_size=len(tokenizer),
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,

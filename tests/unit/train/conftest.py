@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 WORDS = [
@@ -41,14 +43,12 @@ WORDS = [
 
 
 @pytest.fixture(scope="session")
-def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def bert_dir(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
     """A 2-layer BERT (random weights, dropout off) with a small WordPiece tokenizer."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     folder = tmp_path_factory.mktemp("bert")
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    tokenizer = bert_tokenizer(folder, WORDS)
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,

@@ -10,12 +10,19 @@ the gradient of the step's mean loss: per sample for classification and sentence
 target token for causal LM (``units``). Recipes whose loss does not decompose over samples
 (in-batch negatives) set ``splittable = False``: the guard then hands them the whole step with a
 ``mini_batch_size`` and they split internally without changing the gradient (GradCache).
+
+Every recipe's ``build`` is followed by the check that ``max_seq_len`` fits the model's position
+embeddings (before the model loads too, where ``--model`` is a local folder): past them a long row
+would fail inside the model's forward, after the run folder is written. A ``--max-seq-len`` asked
+for is refused in one line; the recipe's default is lowered to the model's limit.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,8 +31,37 @@ from torch import nn
 
 from memfit.data.batching import padded_width
 from memfit.data.rows import DataOptions
+from memfit.errors import UsageError
 
 Row = dict[str, Any]
+
+
+def _loaded_config(model: Any) -> Any:
+    """The transformers config of a loaded model (a SentenceTransformer's Transformer module's)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "model_type"):
+        return config
+    for module in getattr(model, "children", lambda: [])():
+        inner = getattr(module, "auto_model", None) or getattr(module, "model", None)
+        config = getattr(inner, "config", None)
+        if config is not None and hasattr(config, "model_type"):
+            return config
+    return None
+
+
+def _fitting_positions(build: Callable[..., None]) -> Callable[..., None]:
+    """``build`` between the position checks of :meth:`Recipe.fit_positions`."""
+
+    @functools.wraps(build)
+    def checked(self: Recipe, train_rows: Sequence[Row]) -> None:
+        self.fit_folder_positions()
+        build(self, train_rows)
+        config = _loaded_config(getattr(self, "model", None))
+        if config is not None:
+            self.fit_positions(config)
+
+    checked._fits_positions = True  # type: ignore[attr-defined]
+    return checked
 
 
 class Recipe(abc.ABC):
@@ -45,6 +81,50 @@ class Recipe(abc.ABC):
     # every row is padded to max_seq_len (static shapes, and the baseline bench/padding.py beats)
     padding: str = "longest"
     max_seq_len: int
+    model_name: str
+    # whether max_seq_len was asked for (--max-seq-len / --seq-len; set by the loop): asked for, a
+    # length past the model's positions is refused; not asked for, lowered to them. None: not
+    # told, then a max_seq_len other than the recipe's default counts as asked for
+    max_seq_len_given: bool | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        build = cls.__dict__.get("build")
+        if build is not None and not getattr(build, "_fits_positions", False):
+            cls.build = _fitting_positions(build)  # type: ignore[method-assign]
+
+    def fit_positions(self, config: Any) -> None:
+        """``max_seq_len`` within the positions of the model whose config is ``config``: an
+        asked-for length past them is a UsageError, a default one is lowered to them."""
+        from memfit.models import usable_positions
+
+        limit = usable_positions(config)
+        if self.max_seq_len <= limit:
+            return
+        if self._max_seq_len_asked():
+            raise UsageError(
+                f"--max-seq-len: {self.max_seq_len} is beyond the {limit} positions "
+                f"{self.model_name} can use; use --max-seq-len {limit} or less"
+            )
+        self.max_seq_len = limit
+        model = getattr(self, "model", None)
+        if model is not None and hasattr(model, "max_seq_length"):
+            model.max_seq_length = limit  # a SentenceTransformer truncates by its own field
+
+    def _max_seq_len_asked(self) -> bool:
+        if self.max_seq_len_given is not None:
+            return self.max_seq_len_given
+        default = inspect.signature(type(self).__init__).parameters.get("max_seq_len")
+        return default is None or self.max_seq_len != default.default
+
+    def fit_folder_positions(self) -> None:
+        """:meth:`fit_positions` from a local ``--model`` folder's config.json, before anything
+        is loaded (a Hub id is checked once its model is loaded)."""
+        from memfit.models.folder import model_config
+
+        folder = Path(self.model_name).expanduser()
+        if folder.is_dir():
+            self.fit_positions(model_config(folder, "--model")[1])
 
     @abc.abstractmethod
     def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:

@@ -103,6 +103,8 @@ class CausalLMRecipe(Recipe):
         return list(ids)
 
     def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
+        # the rows are tokenized (and truncated) here, before build: check the length first
+        self.fit_folder_positions()
         table = read_rows(path, [Column(self.text_column)], flag=flag, options=self.data_options)
         tokenizer = self._load_tokenizer()
         column = self.text_column
