@@ -803,6 +803,12 @@ def train_command(
         }
         if labels is not None:
             given["labels"] = [x.strip() for x in labels.split(",")]
+        if gradient_accumulation_steps is None and any(
+            given[k] is not None for k in ("micro_batch_size", "effective_batch_size", "world_size")
+        ):
+            # a flag that changes the batch overrides a planned config's accumulation steps (they
+            # follow from the batch again); only steps given as a flag must agree with it
+            settings.pop("gradient_accumulation_steps", None)
         settings.update({k: v for k, v in given.items() if v is not None})
         if gpu_memory is not None:
             settings["gpu_memory"] = parse_size(gpu_memory, name="--gpu-memory")

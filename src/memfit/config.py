@@ -107,7 +107,7 @@ _INT_KEYS = frozenset(
 _BOOL_KEYS = frozenset({"gradient_checkpointing", "merge_lora"})
 _FLOAT_KEYS = frozenset({"safety_margin"})
 # a text, or a list of texts (several text columns; LoRA targets as a list)
-_TEXT_OR_LIST_KEYS = frozenset({"text_column", "lora_target_modules"})
+_TEXT_OR_LIST_KEYS = frozenset({"text_column", "lora_target_modules", "report_to"})
 
 
 def _type_problem(key: str, value: Any) -> str | None:

@@ -137,7 +137,10 @@ def test_an_empty_folder_and_a_folder_a_run_never_started_in_are_taken(
     started = tmp_path / "started"  # a run killed before it wrote run.json
     started.mkdir()
     (started / LOCK_FILE).write_text("{}")
-    for out in (empty, started):
+    kept = tmp_path / "kept"  # made by the user for the run: hidden files and lost+found only
+    (kept / "lost+found").mkdir(parents=True)
+    (kept / ".gitkeep").write_text("")
+    for out in (empty, started, kept):
         result = train(_config(tiny_classifier, data, out, epochs=1, save_every=None))
         assert result.stopped == "done" and (out / "model" / "model.safetensors").is_file()
 
@@ -309,10 +312,15 @@ def test_a_damaged_newest_checkpoint_is_passed_over(
     shutil.copytree(whole, out)
     _as_if_killed_after(out, 6)
     _damage(kind, out / "checkpoints" / "step-6")
-    result = train(_config(tiny_classifier, finished_run / "train.csv", out, resume=True))
+    # keep 1: the damaged checkpoint must not count as the newest and push the good ones out
+    result = train(
+        _config(tiny_classifier, finished_run / "train.csv", out, resume=True, save_total_limit=1)
+    )
     assert result.stopped == "done" and result.steps == 8
     skipped = [e for e in _events(out) if e["type"] == "checkpoint_skipped"]
     assert [Path(e["checkpoint"]).name for e in skipped] == ["step-6"]
+    assert Path(skipped[0]["moved_to"]).name == ".damaged-step-6"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".damaged-step-6", "step-8"]
     resumed = [e for e in _events(out) if e["type"] == "resume"]
     assert Path(resumed[-1]["checkpoint"]).name == "step-4"
     assert _same(_weights(whole / "model"), _weights(out / "model")) <= 1e-6
@@ -361,6 +369,36 @@ def test_a_resume_of_a_finished_run_changes_nothing(
     assert code == 0, err
     assert f"the run in {out} already finished (8 steps" in err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_finished_run_asked_for_other_settings_is_refused_and_for_more_epochs_trains_on(
+    finished_run: Path, tiny_classifier: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run / "run", out)
+    data = finished_run / "train.csv"
+    with pytest.raises(UsageError, match=r"finished with other settings .*--seed 3 then, 4 now"):
+        train(_config(tiny_classifier, data, out, resume=True, seed=4))
+    result = train(_config(tiny_classifier, data, out, resume=True, epochs=3))
+    assert result.stopped == "done" and result.steps == 12
+    resumed = [e for e in _events(out) if e["type"] == "resume"]
+    assert Path(resumed[-1]["checkpoint"]).name == "step-8"
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+
+def test_an_lr_given_to_a_resume_takes_effect(
+    finished_run: Path, tiny_classifier: str, tmp_path: Path
+) -> None:
+    """What the exit-4 line advises (lower --lr, --resume) must do what it says."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run / "run", out)
+    _as_if_killed_after(out, 4)
+    train(_config(tiny_classifier, finished_run / "train.csv", out, resume=True, lr=0.125))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["lr"] for m in lines] == [0.5] * 4 + [0.125] * 4
+    changed = [e for e in _events(out) if e["type"] == "lr"]
+    assert [(e["step"], e["from"], e["to"]) for e in changed] == [(4, 0.5, 0.125)]
 
 
 # --- a full disk ----------------------------------------------------------------------------------

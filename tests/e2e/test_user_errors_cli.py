@@ -510,3 +510,41 @@ def test_the_program_exits_2_without_a_traceback(places: Places) -> None:
     assert done.stderr.splitlines() == [
         f"{ERROR}--write-config: {places.train}/run.yaml: {places.train} is a file, not a folder"
     ]
+
+
+def test_a_batch_flag_overrides_a_planned_config(
+    places: Places, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A planned config names micro 8 × accumulation 1 = effective 8: --micro-batch-size 2 (or
+    --effective-batch-size 4) on the command line re-derives the accumulation steps, as before;
+    only accumulation steps given as a flag must agree with the batch."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"model: {places.classifier}\ntask: classification\nseq_len: 16\n"
+        f"train_file: {places.train}\nmicro_batch_size: 8\ngradient_accumulation_steps: 1\n"
+        "effective_batch_size: 8\n"
+    )
+    common = ["train", str(path), "--device", "cpu", "--max-steps", "1", "--no-probe"]
+    for flags, micro, effective in (
+        (["--micro-batch-size", "2"], 2, 8),
+        (["--effective-batch-size", "4"], 8, 4),
+    ):
+        out = tmp_path / f"run-{flags[0]}"
+        code, lines = _run([*common, "--output-dir", str(out), *flags], capsys)
+        assert code == 0, lines
+        run = json.loads((out / "run.json").read_text())
+        assert run["config"]["effective_batch_size"] == effective
+        assert run["resolved"]["micro_batch_size"] == min(micro, effective)
+    out = tmp_path / "run-conflict"
+    code, lines = _run(
+        [*common, "--output-dir", str(out), "--micro-batch-size", "2",
+         "--gradient-accumulation-steps", "2"],
+        capsys,
+    )  # fmt: skip
+    assert code == 2
+    assert lines == [
+        "memfit: error: --micro-batch-size 2 × --gradient-accumulation-steps 2 = 4, but "
+        "--effective-batch-size is 8; make them agree, or leave one of the three out (it follows "
+        "from the other two)"
+    ]
+    assert not out.exists()

@@ -663,9 +663,11 @@ def _csv_records(path: Path, delimiter: str, columns: Sequence[Column]) -> Itera
     if 1 in bad_lines:
         raise _FileProblem(_undecodable(bad_lines, 1, 1) or "", 1)
     header = [h.strip() for h in header]
-    twice = [h for i, h in enumerate(header) if h in header[:i]]
+    # a column the run reads, named twice: zip() into a dict would keep the last of them, a
+    # column lost without a word (others, and the empty names of trailing commas, are not read)
+    wanted = {c.name for c in columns}
+    twice = [h for i, h in enumerate(header) if h in wanted and h in header[:i]]
     if twice:
-        # zip() into a dict would keep the last of them: a column lost without a word
         times = header.count(twice[0])
         raise _FileProblem(
             f"the header names column {twice[0]!r} {'twice' if times == 2 else f'{times} times'} "
@@ -822,7 +824,8 @@ def _parquet_records(path: Path, columns: Sequence[Column]) -> Iterator[RawRecor
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for files that are not Parquet
         raise _FileProblem(f"not a Parquet file ({_first_line(exc)})") from None
     names = handle.schema_arrow.names
-    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    wanted = {c.name for c in columns}
+    twice = [n for i, n in enumerate(names) if n in wanted and n in names[:i]]
     if twice:
         raise _FileProblem(f"column {twice[0]!r} occurs twice (columns: {', '.join(names)})")
     missing = [c.name for c in columns if c.name not in names]

@@ -243,6 +243,19 @@ def completed_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
+def set_aside(path: Path) -> Path:
+    """Move a damaged checkpoint out of the ones a resume (or ``keep``) counts: it would be
+    taken as the newest and push good ones out. Kept as ``.damaged-step-N`` to look at."""
+    aside = path.with_name(f".damaged-{path.name}")
+    if aside.exists():
+        aside = path.with_name(f".damaged-{path.name}-{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return path  # a read-only folder: the resume still passes over it
+    return aside
+
+
 def clean_temporaries(folder: Path) -> None:
     """Remove what a killed run left half-written (hidden ``.tmp-``/``.old-`` folders).
 

@@ -715,7 +715,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         with contextlib.ExitStack() as closers:
             return _train(cfg, lock, closers)
     except OSError as exc:
-        if exc.errno not in _DISK_ERRNOS:
+        if exc.errno not in _DISK_ERRNOS or not _in_run_folders(cfg, exc):
             raise
         raise UsageError(_disk_message(cfg, exc)) from None
     finally:
@@ -731,6 +731,17 @@ _DISK_ERRNOS = frozenset(
 )  # fmt: skip
 
 
+def _in_run_folders(cfg: TrainConfig, exc: OSError) -> bool:
+    """A full, over-quota or read-only disk is the user's wherever it is; a missing file or a
+    permission only where the run writes (elsewhere it may be a bug: a traceback)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or not exc.filename:
+        return True
+    where = Path(str(exc.filename))
+    return _inside(where, Path(cfg.output_dir)) or bool(
+        cfg.cache_dir and _inside(where, Path(cfg.cache_dir))
+    )
+
+
 def _disk_message(cfg: TrainConfig, exc: OSError) -> str:
     """One line for a write the disk refused: which flag's folder, why, and what is kept."""
     from memfit.train import checkpoint as ck
@@ -744,13 +755,15 @@ def _disk_message(cfg: TrainConfig, exc: OSError) -> str:
         flag = ""
     steps = ck.completed_steps(out / "checkpoints")
     kept = (
-        f"the newest checkpoint, {out / 'checkpoints' / f'step-{steps[-1]}'}, is whole: make "
+        f"; the newest checkpoint, {out / 'checkpoints' / f'step-{steps[-1]}'}, is whole: make "
         "room and run again with --resume"
         if steps
-        else "no checkpoint was written"
+        else "; no checkpoint was written"
         + ("" if cfg.save_every else " (--save-every N keeps one every N steps)")
+        if (out / "run.json").exists()
+        else ""  # before the first step: nothing of the run was lost
     )
-    return f"{flag + ': ' if flag else ''}{where}: {exc.strerror or exc}; {kept}"
+    return f"{flag + ': ' if flag else ''}{where}: {exc.strerror or exc}{kept}"
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -787,6 +800,16 @@ def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainR
     from memfit.train import runfolder
 
     done = runfolder.finished(Path(cfg.output_dir)) if cfg.resume else None
+    if done is not None:
+        changed = _changed_settings(runfolder.run_config(Path(cfg.output_dir)), _step_settings(cfg))
+        if changed:
+            raise UsageError(
+                f"--resume: the run in {cfg.output_dir} finished with other settings that decide "
+                f"which samples each step holds: {'; '.join(changed)}. Start a new run in "
+                "another folder (--model on its model/ to train it further)"
+            )
+        if _longer(runfolder.run_config(Path(cfg.output_dir)), cfg):
+            done = None  # more epochs or steps: train on from the newest checkpoint
     if done is not None:
         # nothing to redo: retraining would replace the finished model/ with the same steps
         steps_done = int(done.get("steps", 0))
@@ -1004,12 +1027,33 @@ def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainR
             sharded=sharded,
         )
         guard.load_state_dict(state["guard"])
+        bases = list(getattr(scheduler, "base_lrs", []))
+        if bases and any(not math.isclose(b, cfg.lr) for b in bases):
+            # --lr of this resume (a run stopped at a NaN, lower it): the schedule, scaled
+            for i, (group, base) in enumerate(zip(optimizer.param_groups, bases, strict=True)):
+                group["lr"] *= cfg.lr / base
+                group["initial_lr"] = cfg.lr
+                scheduler.base_lrs[i] = cfg.lr
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+            on_event({"type": "lr", "step": state["step"], "from": bases[0], "to": cfg.lr})
         return state
 
     def skip(path: Path, problem: str) -> None:
-        on_event({"type": "checkpoint_skipped", "checkpoint": str(path), "reason": problem})
+        # moved out of the checkpoints a resume or --save-total-limit counts (kept to look at)
+        aside = ck.set_aside(path)
+        on_event(
+            {
+                "type": "checkpoint_skipped",
+                "checkpoint": str(path),
+                "reason": problem,
+                "moved_to": str(aside),
+            }
+        )
         if main and not cfg.quiet:
-            _say(f"memfit: checkpoint {path} skipped: {problem}; trying the one before it")
+            _say(
+                f"memfit: checkpoint {path} skipped: {problem} (moved to {aside.name}); trying "
+                "the one before it"
+            )
 
     picked: tuple[Path, dict[str, Any]] | None = None
     if cfg.resume and ranks is None:
@@ -1537,7 +1581,9 @@ _STEP_FLAGS = {
 }
 
 
-def _step_settings(cfg: TrainConfig, rows: int, lengths: Sequence[int] | None) -> dict[str, Any]:
+def _step_settings(
+    cfg: TrainConfig, rows: int | None = None, lengths: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The settings a checkpoint records so that a resume can check them: the flags that decide
     which samples each step holds, the number of training rows and a digest of their lengths in
     tokens (a changed file almost always changes one)."""
@@ -1556,6 +1602,14 @@ def _step_settings(cfg: TrainConfig, rows: int, lengths: Sequence[int] | None) -
     }
 
 
+def _longer(saved: Any, cfg: TrainConfig) -> bool:
+    """Whether this run asks for another length than the finished run in the folder had (its
+    epochs or steps): then it trains on from the newest checkpoint."""
+    if not isinstance(saved, dict):
+        return False
+    return (saved.get("epochs"), saved.get("max_steps")) != (cfg.epochs, cfg.max_steps)
+
+
 def _changed_settings(saved: Any, now: dict[str, Any]) -> list[str]:
     """What differs between a checkpoint's settings and this run's, one phrase each (none for a
     checkpoint of a memfit version that recorded no settings)."""
@@ -1566,7 +1620,9 @@ def _changed_settings(saved: Any, now: dict[str, Any]) -> list[str]:
         for key, flag in _STEP_FLAGS.items()
         if key in saved and saved[key] != now[key]
     ]
-    if saved.get("train_rows") is not None and saved["train_rows"] != now["train_rows"]:
+    if now["train_rows"] is None:
+        pass  # a run's config (before its data is read): the flags only
+    elif saved.get("train_rows") is not None and saved["train_rows"] != now["train_rows"]:
         changed.append(f"--train-file {saved['train_rows']} rows then, {now['train_rows']} now")
     elif saved.get("train_lengths") is not None and saved["train_lengths"] != now["train_lengths"]:
         changed.append("--train-file: its rows are not the ones trained on (their lengths differ)")

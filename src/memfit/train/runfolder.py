@@ -3,7 +3,8 @@
 A folder is a run folder when it holds ``run.lock`` (made before anything else is written) or
 ``run.json`` (every run folder of every memfit version has one). An output folder that holds
 anything else, and neither of them, is refused: it may be the model being fine-tuned, or a user's
-work, and a run would replace its ``model/`` folder.
+work, and a run would replace its ``model/`` folder. Hidden entries (``.gitkeep``) and a volume's
+``lost+found`` do not count: a folder holding only them is empty.
 
 ``run.lock`` is also the run's lock: the running process holds an exclusive ``flock`` on it for its
 whole life, so a second run on the same folder is refused at once (with the first one's process
@@ -52,7 +53,7 @@ def folder_problems(folder: Path, *, resume: bool, check_lock: bool = True) -> l
             return [f"--output-dir: {folder}: {parent} is not writable"]
         return []
     try:
-        names = sorted(child.name for child in folder.iterdir())
+        names = _names(folder)
     except OSError as exc:
         return [f"--output-dir: {folder}: {exc.strerror or exc}"]
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -71,6 +72,17 @@ def folder_problems(folder: Path, *, resume: bool, check_lock: bool = True) -> l
             "or choose another folder"
         ]
     return []
+
+
+# what an empty folder may hold: hidden files (.gitkeep, .DS_Store, .ipynb_checkpoints) and the
+# lost+found of a volume's root (a mounted disk given as --output-dir)
+def _names(folder: Path) -> list[str]:
+    """The entries of ``folder`` that make it non-empty, sorted."""
+    return sorted(
+        child.name
+        for child in folder.iterdir()
+        if not child.name.startswith(".") and child.name != "lost+found"
+    )
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -130,7 +142,7 @@ class RunLock:
         new run) already holds a run that finished while this one was starting.
         """
         try:
-            existed = self.folder.is_dir() and any(self.folder.iterdir())
+            existed = self.folder.is_dir() and bool(_names(self.folder))
             if existed and not is_run_folder(self.folder):
                 raise UsageError(folder_problems(self.folder, resume=resume)[0])
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -186,6 +198,15 @@ def finished(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, AttributeError):
         return None
     return result if isinstance(result, dict) and result.get("stopped") == "done" else None
+
+
+def run_config(folder: Path) -> dict[str, Any] | None:
+    """The settings of the run in ``folder`` (run.json's ``config``), or None."""
+    try:
+        config = json.loads((folder / RUN_FILE).read_text(encoding="utf-8")).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

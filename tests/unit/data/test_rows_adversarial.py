@@ -204,6 +204,13 @@ def test_a_tsv_header_naming_a_column_three_times(tmp_path: Path) -> None:
     ]
 
 
+def test_trailing_commas_and_a_column_twice_that_is_not_read_are_accepted(tmp_path: Path) -> None:
+    # Excel's trailing commas make empty header names; 'note' is named twice but never read
+    path = tmp_path / "t.csv"
+    path.write_text("text,label,note,note,,\nw1 w2,0,a,b,,\nw3 w4,1,c,d,,\n")
+    assert _problems(path) == []
+
+
 def test_a_parquet_file_with_a_column_twice(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
