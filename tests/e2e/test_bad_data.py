@@ -18,12 +18,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from memfit_runs import offline_environment, train_command
 
 WORDS = [f"w{i}" for i in range(60)]
 ERROR = "memfit: error: "
@@ -260,34 +260,10 @@ def _command(model: str, folder: Path, case: Case) -> list[str]:
         "--task": "classification",
         "--model": model,
         "--train-file": str(folder / case.train),
-        "--output-dir": str(folder / "out"),
-        "--cache-dir": str(folder / "cache"),
-        "--device": "cpu",
-        "--effective-batch-size": "4",
-        "--micro-batch-size": "4",
-        "--optimizer": "sgd",
-        "--seed": "3",
     }
     if case.eval is not None:
         flags["--eval-file"] = str(folder / case.eval)
-    flags.update(case.flags)
-    command = [sys.executable, "-m", "memfit", "train"]
-    for flag, value in flags.items():
-        command += [flag] if value is None else [flag, value]
-    return command
-
-
-def _environment(root: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        HF_DATASETS_CACHE=str(root / "hf-datasets"),
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",  # several runs share the CPU
-    )
-    return env
+    return train_command(folder, flags | case.flags)
 
 
 def _needed(request: pytest.FixtureRequest) -> set[str]:
@@ -316,7 +292,7 @@ def runs(
     request: pytest.FixtureRequest,
 ) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("bad-data")
-    env = _environment(root)
+    env = offline_environment(root)
     needed = _needed(request)
     # the training run is the longest: it starts first
     names = sorted((n for n in CASES if n in needed), key=lambda n: n != "skip-bad-rows")

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from memfit_runs import offline_environment, train_command
 
 ERROR = "memfit: error: "
 DEEP = 100_000
@@ -417,35 +417,11 @@ def command(case: Case, folder: Path, model: str) -> list[str]:
         "--task": case.task,
         "--model": model,
         "--train-file": str(folder / case.train),
-        "--output-dir": str(folder / "out"),
-        "--cache-dir": str(folder / "cache"),
-        "--device": "cpu",
-        "--effective-batch-size": "4",
-        "--micro-batch-size": "4",
-        "--optimizer": "sgd",
-        "--seed": "3",
         "--no-probe": None,
     }
     if case.eval is not None:
         flags["--eval-file"] = str(folder / case.eval)
-    flags.update(case.flags)
-    out = [sys.executable, "-m", "memfit", "train"]
-    for flag, value in flags.items():
-        out += [flag] if value is None else [flag, value]
-    return out
-
-
-def environment(root: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        HF_DATASETS_CACHE=str(root / "hf-datasets"),
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",  # several runs share the CPU
-    )
-    return env
+    return train_command(folder, flags | case.flags)
 
 
 def build_head_model(base: str, folder: Path) -> str:
@@ -495,7 +471,7 @@ def run_cases(
 ) -> dict[str, Run]:
     """Every case of ``names``: the ``process`` ones as programs, a few at a time in the
     background, the others meanwhile in this process."""
-    env = environment(root)
+    env = offline_environment(root)
     for name in names:
         write_case(root / name, CASES[name])
 

@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from memfit.train.runfolder import removed_on_failure
+
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -130,7 +132,7 @@ def _write(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    try:
+    with removed_on_failure(tmp):
         if weights is not None:
             save_file(_unshared(weights), str(tmp / "model.safetensors"))
         else:
@@ -153,14 +155,6 @@ def _write(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        from memfit.train.runfolder import as_os_error
-
-        disk = as_os_error(exc, tmp)
-        if disk is not None and disk is not exc:
-            raise disk from None
-        raise
     if keep is not None:
         for old_step in completed_steps(folder)[:-keep]:
             shutil.rmtree(folder / f"step-{old_step}", ignore_errors=True)

@@ -679,22 +679,16 @@ def _save_folder(
 
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    from memfit.train.runfolder import removed_on_failure
+
+    # a full disk half-way: the folder in place (if any) stays, the half-written one goes
+    with removed_on_failure(tmp):
         if is_lora(recipe.model):
             save_lora(recipe, tmp, merge=merge_lora)
         elif state_dict is not None:
             recipe.save(tmp, state_dict=state_dict)
         else:
             recipe.save(tmp)
-    except BaseException as exc:
-        # a full disk half-way: the folder in place (if any) stays, the half-written one goes
-        shutil.rmtree(tmp, ignore_errors=True)
-        from memfit.train.runfolder import as_os_error
-
-        disk = as_os_error(exc, tmp)
-        if disk is not None and disk is not exc:
-            raise disk from None
-        raise
     old = folder.with_name(f".old-{folder.name}-{os.getpid()}")
     if folder.exists():
         os.rename(folder, old)

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,20 @@ def as_os_error(exc: BaseException, path: Path) -> OSError | None:
         return None
     number = int(match.group(1))
     return OSError(number, os.strerror(number), str(path))
+
+
+@contextlib.contextmanager
+def removed_on_failure(tmp: Path) -> Iterator[None]:
+    """Whatever goes wrong while ``tmp`` is written (a full disk half-way, a kill's signal), the
+    half-written ``tmp`` goes; a library's wrapped disk error comes out as the OSError it is."""
+    try:
+        yield
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        disk = as_os_error(exc, tmp)
+        if disk is not None and disk is not exc:
+            raise disk from None
+        raise
 
 
 def finished(folder: Path) -> dict[str, Any] | None:
