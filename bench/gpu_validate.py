@@ -936,9 +936,9 @@ def collect_header(
             "smi_used_bytes_at_start": None if smi is None else smi["used_bytes"],
             "device_count": torch.cuda.device_count(),
         }
-        from memfit.estimate import device as memfit_device
+        from memfit import devices as memfit_devices
 
-        profile = dataclasses.asdict(memfit_device.cuda_profile((props.major, props.minor)))
+        profile = dataclasses.asdict(memfit_devices.cuda_profile((props.major, props.minor)))
     return {
         "timestamp": now.isoformat(timespec="seconds"),
         "timestamp_compact": now.strftime("%Y%m%dT%H%M%SZ"),

@@ -409,7 +409,7 @@ def gpus_command(
     from memfit.units import format_bytes
 
     with progress.status("loading the catalog", subject="memfit gpus"):  # memfit.plan imports torch
-        from memfit.plan import catalog
+        from memfit.devices import catalog
 
     rows = [
         {

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.devices.profiles import CudaProfile, cuda_profile
 from memfit.errors import UsageError
 from memfit.estimate import device as dev
 from memfit.estimate import workload
@@ -224,11 +225,11 @@ def estimate(
             problems.append(str(exc))
     profile = None
     if gpu is not None:
-        from memfit.plan.catalog import find_gpu
+        from memfit.devices.catalog import find_gpu
 
         try:
             card = find_gpu(gpu)
-            profile = dev.cuda_profile(card.compute_capability)
+            profile = cuda_profile(card.compute_capability)
             if budget is None:
                 budget = card.memory_bytes
         except UsageError as exc:
@@ -368,7 +369,7 @@ class _Traced:
     spec: StepSpec
     trace: StepTrace
     fitted: FittedSegment | None
-    profile: dev.CudaProfile
+    profile: CudaProfile
     trace_seconds: float
     method: str = "fitted"
     max_positions: int = 512
@@ -398,7 +399,7 @@ class _Traced:
         batch_size: int,
         seq_len: int,
         world_size: int = 1,
-        profile: dev.CudaProfile | None = None,
+        profile: CudaProfile | None = None,
         accumulate: bool = False,
         sharding: str = "none",
     ) -> _Peak:
@@ -603,7 +604,7 @@ def _traced(
                 spec,
                 trace,
                 fitted,
-                dev.cuda_profile(),
+                cuda_profile(),
                 time.perf_counter() - started,
                 "fitted" if fitted is not None else "exact-trace",
                 model_spec.max_positions,
@@ -734,7 +735,7 @@ def _replay(
     fb: Segment,
     fb_sizes: list[int],
     spec: StepSpec,
-    profile: dev.CudaProfile,
+    profile: CudaProfile,
     world_size: int = 1,
     accumulate: bool = False,
     shard: ShardLayout | None = None,
@@ -919,7 +920,7 @@ def _replay_cuda(
     fb_sizes: list[int],
     optimizer_segments: tuple[Segment | None, Segment | None],
     spec: StepSpec,
-    profile: dev.CudaProfile,
+    profile: CudaProfile,
     replay: _Sharded,
     world_size: int,
     accumulate: bool = False,

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from memfit.devices.profiles import CudaProfile
 from memfit.estimate import cuda_emulation
-from memfit.estimate.device import CudaProfile
 from memfit.estimate.fit import FittedSegment
 from memfit.estimate.trace import ParamInfo, Segment, StepTrace
 from memfit.estimate.workload import StepSpec

@@ -160,7 +160,7 @@ def build_model(
             warnings.simplefilter("ignore", FutureWarning)
             # peft switches fan_in_fan_out on by itself for GPT-2's Conv1D, and says so
             warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
-            model = _with_lora(model, spec)
+            model = with_lora(model, spec)
     model.train(spec.mode == "train")
     return model
 
@@ -353,7 +353,7 @@ def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] =
     )
 
 
-def _with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
+def with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
     """LoRA adapters via peft on :func:`lora_config`'s target modules; the base is frozen, a
     classification head stays trainable (saved with the adapter)."""
     try:

@@ -224,7 +224,7 @@ class LanguageModel(_TextModel):
 
     @staticmethod
     def record(output: tuple[float | None, int]) -> dict[str, Any]:
-        from memfit.train.recipes.causal_lm import perplexity
+        from memfit.metrics import perplexity
 
         loss, tokens = output
         if loss is None:

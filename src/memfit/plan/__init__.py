@@ -5,7 +5,7 @@ The package is callable: ``memfit.plan(...)`` is :func:`memfit.plan.planner.plan
 
 from memfit._callable_module import make_callable
 from memfit.config import PLAN_KEYS
-from memfit.plan.catalog import Gpu, catalog, find_gpu
+from memfit.devices.catalog import Gpu, catalog, find_gpu
 from memfit.plan.data_profile import DataProfile
 from memfit.plan.planner import LEVERS, Candidate, Plan, plan
 

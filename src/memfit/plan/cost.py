@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.plan.catalog import Gpu
+from memfit.devices.catalog import Gpu
 
 E_MAX = 0.6  # the share of peak FLOP/s large transformer matmuls reach
 T_HALF = 1024  # tokens per micro-batch at which half of E_MAX is reached

@@ -29,13 +29,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.devices.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.errors import UsageError
 from memfit.estimate import depth, workload
 from memfit.estimate.api import estimate
 from memfit.estimate.prefetch import prefetch
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
 from memfit.plan import cost
-from memfit.plan.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.plan.data_profile import DataProfile
 from memfit.units import format_bytes, parse_size
 
@@ -204,7 +204,7 @@ class Plan:
             parts.append(f"--num-labels {self.num_labels}")
         if self.loss:
             parts.append(f"--loss {self.loss}")
-        from memfit.plan.catalog import catalog as gpus
+        from memfit.devices.catalog import catalog as gpus
 
         card = gpus().get(self.gpu) if self.gpu else None
         if card is None or card.memory_bytes != self.budget_bytes:

@@ -67,7 +67,7 @@ def add_lora(recipe: Any, cfg: Any) -> None:
         import peft  # noqa: F401
     except ImportError:
         raise UsageError("--lora-rank: LoRA needs peft (pip install 'memfit[all]')") from None
-    from memfit.estimate.workload import StepSpec, _with_lora, lora_config
+    from memfit.estimate.workload import StepSpec, lora_config, with_lora
 
     targets = tuple(cfg.lora_target_modules or ())
     with _quiet_peft():
@@ -82,7 +82,7 @@ def add_lora(recipe: Any, cfg: Any) -> None:
             peft_config: Any = inner.peft_config
         else:
             # the estimator's own function: the same adapters it counts
-            recipe.model = _with_lora(
+            recipe.model = with_lora(
                 recipe.model,
                 StepSpec(task=cfg.task, lora_rank=cfg.lora_rank, lora_targets=targets),
             )

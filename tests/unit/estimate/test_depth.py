@@ -95,7 +95,7 @@ def _compare(family: str, **knobs: Any) -> dict[str, Any]:
     fitted_a, fitted_b = fit_trace(extrapolated), fit_trace(full)
     assert (fitted_a is None) == (fitted_b is None)
     if fitted_a is not None and fitted_b is not None:
-        from memfit.estimate import device
+        from memfit.devices.profiles import cuda_profile
 
         schemes = ["none"] if spec.mode == "eval" else ["none", "zero2", "fsdp"]
         for batch, seq in ((3, 48), (6, 136)):
@@ -106,7 +106,7 @@ def _compare(family: str, **knobs: Any) -> dict[str, Any]:
                         fitted.template,
                         fitted.sizes(batch, seq).tolist(),
                         spec,
-                        device.cuda_profile(),
+                        cuda_profile(),
                         world_size=2,
                         shard=None
                         if sharding == "none"

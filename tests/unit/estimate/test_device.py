@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from memfit.devices.profiles import cuda_profile
 from memfit.estimate.device import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     CachingAllocator,
     cpu_allocation_bytes,
-    cuda_profile,
     cuda_round_size,
     cuda_segment_size,
 )

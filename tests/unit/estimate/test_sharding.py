@@ -149,7 +149,7 @@ def test_no_sharding_is_one_gpus_memory_without_ddp_buckets(tiny_bert: str) -> N
     assert two.details["ddp_bucket_bytes"] == 4 * two.details["trainable_parameters"]
     assert two.details["sharding"] == "none" and two.details["world_size"] == 2
     cuda = [_bert(tiny_bert, device="cuda", world_size=w) for w in (1, 2)]
-    from memfit.estimate.device import cuda_profile
+    from memfit.devices.profiles import cuda_profile
 
     # on CUDA only NCCL's communicator buffers are added
     assert cuda[1].total_bytes - cuda[0].total_bytes == cuda_profile().nccl_bytes

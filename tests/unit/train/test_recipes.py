@@ -21,7 +21,7 @@ from memfit.train.recipes import (
     make_recipe,
 )
 from memfit.train.recipes.base import Recipe
-from memfit.train.recipes.causal_lm import perplexity
+from memfit.metrics import perplexity
 from memfit.train.recipes.classification import accuracy, macro_f1
 from memfit.train.recipes.sentence_embedding import retrieval_accuracy
 

@@ -18,7 +18,6 @@ different lengths weigh by their tokens (the contract in ``base.py``).
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -38,15 +37,11 @@ from memfit.data.rows import (
     tokenizer_key,
 )
 from memfit.errors import UsageError
+from memfit.metrics import perplexity
 from memfit.train.recipes.base import Recipe, Row
 from memfit.train.recipes.loading import load_pretrained
 
 IGNORE_INDEX = -100
-
-
-def perplexity(loss: float) -> float:
-    """``exp(loss)``, ``inf`` where it overflows a float."""
-    return math.exp(loss) if loss < 709.0 else math.inf
 
 
 # the key under which ``read`` keeps a row's tokens (truncated to ``max_seq_len``)

@@ -46,7 +46,7 @@ class Gpu:
 
 @functools.cache
 def _load() -> dict[str, Any]:
-    text = resources.files("memfit.plan").joinpath("gpus.json").read_text(encoding="utf-8")
+    text = resources.files("memfit.devices").joinpath("gpus.json").read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 

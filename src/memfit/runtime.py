@@ -1,0 +1,97 @@
+"""What a run needs from its machine, shared by ``train`` and ``infer``: the device, the autocast
+context of a precision, and JSON Lines logs that a killed process leaves readable up to its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``--device`` as given, else CUDA where a GPU is visible, else the CPU."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(
+    device: torch.device, precision: str
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A factory of the autocast context for ``precision`` (fp32: no autocast); the weights stay
+    in their own dtype, the matmuls run in the lower one."""
+    dtype = PRECISION_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+class JsonlLog:
+    """Append-only JSON Lines, flushed line by line (a killed run keeps what it logged).
+
+    The file is opened at the first line, in ``mode`` (``a``: append, ``w``: start afresh), so a
+    caller may rewrite the file (a resume cuts a killed run's last lines) after the log exists
+    but before it writes. ``stamp``: each record gets a ``time`` key first. ``keep``: the records
+    are also kept in ``records`` (for a caller that reports them at the end). ``open_now``: create
+    the file at once (an empty log is then a file that says "nothing happened").
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        mode: str = "a",
+        stamp: bool = False,
+        keep: bool = False,
+        open_now: bool = False,
+    ) -> None:
+        self.path = Path(path) if path is not None else None
+        self._mode = mode
+        self._stamp = stamp
+        self._keep = keep
+        self._handle: Any = None
+        self.records: list[dict[str, Any]] = []
+        if open_now and self.path is not None:
+            self._open()
+
+    def _open(self) -> None:
+        assert self.path is not None
+        self._handle = open(self.path, self._mode, encoding="utf-8")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._stamp:
+            import time
+
+            record = {"time": round(time.time(), 3), **record}
+        if self._keep:
+            self.records.append(record)
+        if self.path is None:
+            return
+        if self._handle is None:
+            self._open()
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class NoLog:
+    """A log that writes nowhere (ranks other than 0: rank 0 logs the whole step)."""
+
+    path = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
