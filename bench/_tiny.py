@@ -3,7 +3,8 @@
 ``BertTokenizerFast(vocab_file=...)`` ignores the file under transformers 5 (every word is
 ``[UNK]``, so every text of a length is the same input); this builds the WordPiece model with the
 ``tokenizers`` library, saves it, reads it back with ``AutoTokenizer`` and checks that the words
-encode to their ids. (The tests build theirs the same way: ``tests/conftest.py``.)
+encode to their ids. The tests use this one too (``tests/tiny_models.py``: ``bench`` is on
+pytest's ``pythonpath``).
 """
 
 from __future__ import annotations

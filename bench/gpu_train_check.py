@@ -70,7 +70,7 @@ def _data(path: Path, rows: int, words: int) -> Path:
 def _run(
     model: str, data: Path, out: Path, device: str, batch: int, **knobs: Any
 ) -> dict[str, Any]:
-    from memfit.train.run import TrainConfig, train
+    from memfit.train import TrainConfig, train
 
     started = time.perf_counter()
     result = train(

@@ -1473,7 +1473,7 @@ def write_tiny_models(folder: Path) -> dict[str, str]:
 
 def check_case_lists() -> list[str]:
     """The default and quick matrices are well formed (the smoke test builds them, never runs them)."""
-    from memfit.estimate import workload
+    from memfit import job as memfit_job
 
     problems = []
     cases = build_cases()
@@ -1485,9 +1485,9 @@ def check_case_lists() -> list[str]:
             problems.append(f"the {name} matrix repeats a case")
         for c in listed:
             if (
-                c.task not in workload.TASKS
-                or c.precision not in workload.PRECISIONS
-                or c.mode not in workload.MODES
+                c.task not in memfit_job.TASKS
+                or c.precision not in memfit_job.PRECISIONS
+                or c.mode not in memfit_job.MODES
             ):
                 problems.append(f"{c.id}: unknown knob")
     return problems

@@ -53,7 +53,7 @@ if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))  # bench/_tiny.py
 
-from memfit.train.run import TrainConfig, train  # noqa: E402
+from memfit.train import TrainConfig, train  # noqa: E402
 
 MiB = 2**20
 FIXED_MICRO_BATCH = 8

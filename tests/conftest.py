@@ -10,53 +10,17 @@ from typing import Any
 
 import pytest
 
+from tiny_models import gpt2_config, save_bert_tokenizer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # traces cached on disk go to a fresh folder per test session
 os.environ.setdefault("MEMFIT_CACHE_DIR", tempfile.mkdtemp(prefix="memfit-cache-"))
 
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
-def save_bert_tokenizer(folder: Path, words: Sequence[str]) -> Any:
-    """A BERT WordPiece tokenizer that knows ``words`` (ids 5, 6, … after the 5 specials), saved
-    in ``folder`` and read back with AutoTokenizer; checked: a sentence of the words encodes to
-    their ids. (``BertTokenizerFast(vocab_file=...)`` ignores the file under transformers 5: every
-    word would be [UNK].)"""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import AutoTokenizer, BertTokenizerFast
-
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *words])}
-    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
-    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    wordpiece.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
-    )
-    wordpiece.decoder = decoders.WordPiece()
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(
-        tokenizer_object=wordpiece,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    ).save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert len(tokenizer) == len(vocab), (len(tokenizer), len(vocab))
-    sample = list(words)[:8]
-    ids = tokenizer(" ".join(sample))["input_ids"]
-    assert ids == [vocab["[CLS]"], *(vocab[w] for w in sample), vocab["[SEP]"]], ids
-    return tokenizer
-
-
 @pytest.fixture(scope="session")
 def bert_tokenizer() -> Callable[[Path, Sequence[str]], Any]:
-    """:func:`save_bert_tokenizer`, for test modules (a conftest is not imported by name)."""
+    """:func:`tiny_models.save_bert_tokenizer`, as a fixture."""
     return save_bert_tokenizer
 
 
@@ -104,7 +68,7 @@ SENTENCES = [
 def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2-layer GPT-2 (random weights, dropout off) with a byte-level BPE trained in memory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+    from transformers import GPT2LMHeadModel, GPT2TokenizerFast
 
     folder = tmp_path_factory.mktemp("gpt2")
     bpe = Tokenizer(models.BPE())
@@ -119,17 +83,8 @@ def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     tokenizer = GPT2TokenizerFast(
         tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
     )
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    config = gpt2_config(
+        len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id
     )
     GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

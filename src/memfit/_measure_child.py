@@ -78,12 +78,13 @@ class _Step:
     def __init__(self, request: dict[str, Any]) -> None:
         import torch
 
+        from memfit import job
         from memfit.estimate import workload
 
         self.workload = workload
         task = request["task"]
-        loss = request.get("loss") or workload.DEFAULT_LOSS[task]
-        loss = workload.LOSS_ALIASES.get(loss.lower(), loss.lower())
+        loss = request.get("loss") or job.DEFAULT_LOSS[task]
+        loss = job.LOSS_ALIASES.get(loss.lower(), loss.lower())
         self.spec = workload.StepSpec(
             task=task,
             precision=request.get("precision", "fp32"),
@@ -99,7 +100,7 @@ class _Step:
         self.batch_size = int(request["batch_size"])
         if loss == "cached-mnrl":
             # the workload's batch is ``cached_chunks`` mini-batches of ``batch_size`` rows
-            mini = int(request.get("mini_batch_size") or workload.DEFAULT_MINI_BATCH_SIZE)
+            mini = int(request.get("mini_batch_size") or job.DEFAULT_MINI_BATCH_SIZE)
             mini = min(mini, self.batch_size)
             if self.batch_size % mini:
                 raise ValueError("the measured cached loss needs whole mini-batches")

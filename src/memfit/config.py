@@ -7,6 +7,7 @@ naming the file and line (a typo must not be silently ignored).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from memfit.errors import UsageError
+from memfit.job import JOB_FIELDS, Job
 
 JOB_KEYS = (
     "model",
@@ -47,7 +49,8 @@ PLAN_KEYS = (
 RECORD_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes")
 # memfit train's LoRA and tracker settings, accepted in a config file as well as flags
 TRAIN_KEYS = ("lora_target_modules", "merge_lora", "report_to")
-KNOWN_KEYS = tuple(dict.fromkeys((*JOB_KEYS, *PLAN_KEYS, "lora_rank", *TRAIN_KEYS, *RECORD_KEYS)))
+# every knob of the job is a setting (a new knob of memfit.job is one with no change here)
+KNOWN_KEYS = tuple(dict.fromkeys((*JOB_KEYS, *PLAN_KEYS, *JOB_FIELDS, *TRAIN_KEYS, *RECORD_KEYS)))
 REQUIRED_KEYS = ("model", "task", "seq_len", "micro_batch_size", "gradient_accumulation_steps")
 
 
@@ -87,27 +90,19 @@ def write_config(path: str | Path, config: dict[str, Any], *, flag: str = "--wri
     return path
 
 
-# the type of each setting: what a config file may give (a null is "not set": the default)
-_INT_KEYS = frozenset(
-    {
-        "num_labels",
-        "seq_len",
-        "effective_batch_size",
-        "micro_batch_size",
-        "gradient_accumulation_steps",
-        "world_size",
-        "max_seq_len",
-        "mini_batch_size",
-        "max_tokens_per_micro_batch",
-        "lora_rank",
-        "budget_bytes",
-        "predicted_peak_bytes",
-    }
-)
-_BOOL_KEYS = frozenset({"gradient_checkpointing", "merge_lora"})
+# the type of each setting: what a config file may give (a null is "not set": the default); the
+# job's knobs by their annotations in memfit.job
+def _job_keys(kind: str) -> frozenset[str]:
+    return frozenset(
+        f.name for f in dataclasses.fields(Job) if str(f.type).replace(" | None", "") == kind
+    )
+
+
+_INT_KEYS = _job_keys("int") | {"budget_bytes", "predicted_peak_bytes"}
+_BOOL_KEYS = _job_keys("bool") | {"merge_lora"}
 _FLOAT_KEYS = frozenset({"safety_margin"})
 # a text, or a list of texts (several text columns; LoRA targets as a list)
-_TEXT_OR_LIST_KEYS = frozenset({"text_column", "lora_target_modules", "report_to"})
+_TEXT_OR_LIST_KEYS = _job_keys("list[str]") | {"text_column", "report_to"}
 
 
 def _type_problem(key: str, value: Any) -> str | None:

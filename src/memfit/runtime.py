@@ -6,17 +6,36 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# torch is imported where it is used: the CLI reads the launcher's settings before torch loads
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (``WORLD_SIZE``; 1 without a launcher)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def launched_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def resolve_device(device: str | None) -> torch.device:
     """``--device`` as given, else CUDA where a GPU is visible, else the CPU."""
+    import torch
+
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,9 +46,11 @@ def autocast(
 ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """A factory of the autocast context for ``precision`` (fp32: no autocast); the weights stay
     in their own dtype, the matmuls run in the lower one."""
-    dtype = PRECISION_DTYPES.get(precision)
-    if dtype is None:
+    import torch
+
+    if precision not in ("fp16", "bf16"):
         return contextlib.nullcontext
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     return lambda: torch.autocast(device.type, dtype=dtype)
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from memfit_runs import offline_environment, train_command
 
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
+
 WORDS = [f"w{i}" for i in range(60)]
 ERROR = "memfit: error: "
 

@@ -20,10 +20,13 @@ MiB = 2**20
 TOLERANCE = 0.05
 RESIDENT_KEYS = ("parameters", "buffers", "optimizer_state", "runtime_overhead")
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not os.path.exists("/proc/self/clear_refs"),
-    reason="the measurement reads /proc/<pid>/clear_refs (Linux)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") or not os.path.exists("/proc/self/clear_refs"),
+        reason="the measurement reads /proc/<pid>/clear_refs (Linux)",
+    ),
+]
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "bert-l4-h256": (

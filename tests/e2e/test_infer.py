@@ -24,6 +24,9 @@ import torch
 from memfit.cli import main
 from memfit.infer.embed import embed
 from memfit.infer.predict import predict
+from tiny_models import gpt2_config, save_bert, save_sentence_transformer
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 WORDS = [f"w{i}" for i in range(60)]
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
@@ -51,30 +54,11 @@ def _word_tokenizer(folder: Path) -> None:
     assert ids == [VOCAB.index(w) for w in WORDS[:8]], ids
 
 
-def _bert_config(**extra: Any) -> Any:
-    from transformers import BertConfig
-
-    return BertConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=256,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **extra,
-    )
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> dict[str, Path]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A classifier saved as a `memfit train` run folder, a GPT-2 causal LM and a
     sentence-transformers folder (BERT + mean pooling), all 2 layers × 32 wide, seeded."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
-    from transformers import BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     root = tmp_path_factory.mktemp("infer-models")
     torch.manual_seed(0)
@@ -82,35 +66,27 @@ def models(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> dic
     classifier = run / "model"
     classifier.mkdir(parents=True)
     (run / "run.json").write_text("{}")
-    bert_tokenizer(classifier, WORDS)
     labels = {0: "neg", 1: "pos", 2: "neutral"}
-    config = _bert_config(num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()})
-    BertForSequenceClassification(config).save_pretrained(classifier)
+    label2id = {v: k for k, v in labels.items()}
+    save_bert(
+        classifier,
+        WORDS,
+        num_labels=3,
+        seed=None,
+        positions=256,
+        id2label=labels,
+        label2id=label2id,
+    )
     lm = root / "lm"
     lm.mkdir()
     _word_tokenizer(lm)
     GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=len(VOCAB),
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            n_positions=256,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=2,
-            eos_token_id=3,
-            pad_token_id=0,
-        )
+        gpt2_config(len(VOCAB), positions=256, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     ).save_pretrained(lm)
     encoder = root / "encoder"
     encoder.mkdir()
-    bert_tokenizer(encoder, WORDS)
-    BertModel(_bert_config()).save_pretrained(encoder)
-    transformer = Transformer(str(encoder), max_seq_length=128)
-    pooling = Pooling(transformer.get_embedding_dimension(), "mean")
-    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(root / "st"))
+    save_bert(encoder, WORDS, seed=None, positions=256)
+    save_sentence_transformer(root / "st", encoder, max_seq_length=128)
     return {"run": run, "classifier": classifier, "lm": lm, "st": root / "st"}
 
 

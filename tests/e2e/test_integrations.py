@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
+
 WORDS = [f"w{i}" for i in range(60)]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 UNREACHABLE = "64GiB"

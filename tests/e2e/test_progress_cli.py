@@ -15,8 +15,11 @@ from typing import Any
 
 import pytest
 
-from memfit.cli import _trace_depth_line, main
+from memfit.cli import main
+from memfit.commands.estimate import _trace_depth_line
 from memfit.errors import UsageError
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 MODEL = "distilbert-base-uncased"
 ESTIMATE = ["estimate", MODEL, "--task", "classification", "--batch-size", "2", "--seq-len", "16"]

@@ -19,8 +19,10 @@ import pytest
 from memfit.cli import main
 from memfit.report.html import write_report
 from memfit.report.plots import byte_unit, memory_plot
-from memfit.train.run import TrainConfig, train
+from memfit.train import TrainConfig, train
 from memfit.units import format_bytes
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 WORDS = [f"w{i}" for i in range(60)]
 

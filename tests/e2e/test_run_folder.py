@@ -24,8 +24,10 @@ from safetensors.torch import load_file
 
 from memfit.cli import main
 from memfit.errors import UsageError
-from memfit.train.run import TrainConfig, train
+from memfit.train import TrainConfig, train
 from memfit.train.runfolder import LOCK_FILE, RunLock, lock_holder
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 WORDS = [f"w{i}" for i in range(60)]
 

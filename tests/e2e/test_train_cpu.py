@@ -21,7 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit.train.run import TrainConfig, train
+from memfit.train import TrainConfig, train
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 WORDS = [f"w{i}" for i in range(60)]
 

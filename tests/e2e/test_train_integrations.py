@@ -17,7 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from memfit.train.run import TrainConfig, train
+from memfit.train import TrainConfig, train
+from tiny_models import save_bert
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = [f"w{i}" for i in range(60)]
@@ -153,23 +156,12 @@ def test_sentence_embedding_adapter_loads_with_sentence_transformers(
 
 # --- LoRA: the run's memory is what memfit.estimate(..., lora_rank=R) predicts -------------------
 @pytest.fixture(scope="module")
-def medium_classifier(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
+def medium_classifier(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 4-layer BERT of hidden size 256 (the truth benchmark's bert-l4-h256, with the tests'
     60-word vocabulary): big enough that a step's memory is activations, not constant costs."""
-    from transformers import BertConfig, BertModel
-
     folder = tmp_path_factory.mktemp("medium-classifier")
-    tokenizer = bert_tokenizer(folder, WORDS)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=1024,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder)
+    wide = dict(hidden_size=256, num_attention_heads=4, intermediate_size=1024)
+    save_bert(folder, WORDS, layers=4, positions=512, dropout=True, **wide)
     return str(folder)
 
 

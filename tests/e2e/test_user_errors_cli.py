@@ -35,6 +35,9 @@ import pytest
 
 from memfit import cli
 from memfit.cli import main
+from tiny_models import save_bert, save_sentence_transformer
+
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 ERROR = "memfit: error: "
 WORDS = [f"w{i}" for i in range(40)]
@@ -86,37 +89,20 @@ def _fill(folder: Path, leave: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def places(
-    tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Callable[..., Any]
-) -> Iterator[Places]:
+def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Places]:
     import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
-    from transformers import BertConfig, BertForSequenceClassification, BertModel
 
     root = tmp_path_factory.mktemp("user-errors")
-    config = dict(
-        vocab_size=5 + len(WORDS),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    # one layer, dropout on (the configs' default): weights drawn one model after the other
     torch.manual_seed(0)
     classifier = root / "classifier"
     classifier.mkdir()
-    bert_tokenizer(classifier, WORDS)
-    BertForSequenceClassification(BertConfig(num_labels=2, **config)).save_pretrained(classifier)
+    save_bert(classifier, WORDS, num_labels=2, seed=None, layers=1, dropout=True)
     encoder = root / "encoder"
     encoder.mkdir()
-    bert_tokenizer(encoder, WORDS)
-    BertModel(BertConfig(**config)).save_pretrained(encoder)
-    transformer = Transformer(str(encoder), max_seq_length=32)
-    pooling = Pooling(transformer.get_embedding_dimension(), "mean")
+    save_bert(encoder, WORDS, seed=None, layers=1, dropout=True)
     st = root / "st"
-    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(st))
+    save_sentence_transformer(st, encoder, max_seq_length=32)
     rows = root / "rows.jsonl"
     rows.write_text(
         "".join(json.dumps({"id": i, "text": " ".join(WORDS[i % 30 : i % 30 + 5])}) + "\n"

@@ -35,6 +35,8 @@ from typing import Any
 import pytest
 from memfit_runs import offline_environment, train_command
 
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
+
 ERROR = "memfit: error: "
 DEEP = 100_000
 

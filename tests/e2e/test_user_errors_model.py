@@ -30,6 +30,8 @@ import pytest
 
 from memfit.cli import main
 
+pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
+
 ERROR = "memfit: error: "
 
 

@@ -21,6 +21,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_estimate_json_with_plan_knobs(capsys: pytest.CaptureFixture[str], tiny_bert: str) -> None:
     code, out, _ = run(
         capsys,
@@ -85,6 +86,7 @@ def test_sharded_plan_writes_its_scheme(
     assert any("--sharding fsdp" in line for line in d["explanation"] if "Re-check" in line)
 
 
+@pytest.mark.slow
 def test_plan_json_and_config_round_trip(
     capsys: pytest.CaptureFixture[str], tiny_bert: str, tmp_path: Path
 ) -> None:

@@ -83,6 +83,7 @@ def test_measurement_summary_properties() -> None:
     assert m.step_seconds == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_real_step_repeats_agree_within_one_percent(tmp_path: object) -> None:
     from pathlib import Path
 

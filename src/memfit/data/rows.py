@@ -29,25 +29,26 @@ non-empty strings; a label column holds the label's canonical text (``"3"`` for 
 ``"3.0"`` and ``" 3 "``; a name stripped). No label: a fraction, NaN, an infinity, a list. Without
 a fixed label set (``--labels``, ``--num-labels``) integer labels are 0 … 2**31-1, and the labels
 of an input are all integers or all names: where both occur, the rows of the rarer kind are bad.
+
+The parts: :mod:`memfit.data.sources` finds the files an input stands for,
+:mod:`memfit.data.records` reads each format's raw records with their lines and
+:mod:`memfit.data.labels` checks label values; this module checks the rows and keeps the table.
 """
 
 from __future__ import annotations
 
-import csv
-import errno
-import gzip
 import hashlib
 import json
 import os
-import re
-import stat
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from memfit.data.labels import LabelRule, label_kind, label_text
+from memfit.data.records import TOO_DEEP, FileProblem, read_records
+from memfit.data.sources import Source, resolve_sources
 from memfit.errors import UsageError
 
 Row = dict[str, Any]
@@ -57,19 +58,8 @@ WHERE = "__where__"
 # the column a recipe's ``prepare`` adds: the row's length in tokens as the model sees it
 LENGTH = "__length__"
 
-FORMATS = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 # how many problems a refusal prints before it counts the rest
 SHOWN_PROBLEMS = 50
-
-_INTEGER = re.compile(r"^[+-]?\d+$")
-# a number written in a label cell ("3.0", "1e30", "1.5"): a label when it is a whole number
-_NUMBER = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$")
-_NOT_A_NUMBER = frozenset({"nan", "+nan", "-nan"})
-_INFINITE = frozenset({"inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"})
-# the largest integer label without a fixed label set (a class id; past it, a data accident)
-MAX_INTEGER_LABEL = 2**31 - 1
-# a JSON value nested past what the parser's recursion allows
-TOO_DEEP = "nested too deeply to read as JSON"
 
 
 def where(row: Row) -> str:
@@ -143,300 +133,13 @@ def problem_at(where_text: str, reason: str) -> Problem:
     return Problem(flag, rest, None, reason)
 
 
-# --- columns and labels ----------------------------------------------------------------------------
+# --- columns -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Column:
     """A column a recipe needs: ``text`` (a non-empty string) or ``label`` (integer or name)."""
 
     name: str
     kind: str = "text"
-
-
-@dataclass(frozen=True)
-class LabelRule:
-    """Which label values a file may hold: ``allowed`` canonical texts (None: any), and where
-    that set came from, for the message (``"--labels"``, ``"the training data"``)."""
-
-    allowed: frozenset[str] | None = None
-    source: str = ""
-    # without ``allowed``: the one kind of label the input holds ("integer" or "name"; None:
-    # not decided yet) and how many rows have it (for the message)
-    kind: str | None = None
-    kind_rows: int = 0
-
-    def check(self, value: str) -> str | None:
-        if self.allowed is None:
-            return self._check_free(value)
-        if value in self.allowed:
-            return None
-        known = ", ".join(sorted(self.allowed, key=_label_sort_key))
-        if self.source == "the training data":
-            return f"does not occur in the training data (labels: {known})"
-        return f"is not one of the labels given by {self.source} ({known})"
-
-    def _check_free(self, value: str) -> str | None:
-        integer = bool(_INTEGER.match(value))
-        if integer and int(value) < 0:
-            return (
-                "is negative: integer labels count from 0 (name every label with --labels "
-                "to use it)"
-            )
-        if integer and int(value) > MAX_INTEGER_LABEL:
-            return (
-                f"is too large for an integer label (at most {MAX_INTEGER_LABEL}; name every "
-                "label with --labels to use it)"
-            )
-        kind = "integer" if integer else "name"
-        if self.kind is None or kind == self.kind:
-            return None
-        return (
-            f"is {'an integer' if integer else 'a name'}, but the other labels are "
-            f"{self.kind}s ({self.kind_rows} rows): labels are all integers or all names "
-            "(give --labels to name every label)"
-        )
-
-
-def canonical_label(value: Any) -> str | None:
-    """A label's canonical text, or None when ``value`` is no label (a fraction, NaN, a list…)."""
-    return _label_text(value)[0]
-
-
-def _label_text(value: Any) -> tuple[str | None, str]:
-    """(the canonical text, "") or (None, why it is no label: "a fraction", "not a number"…)."""
-    if isinstance(value, bool) or value is None:
-        return None, ""
-    if isinstance(value, int):
-        return str(value), ""
-    if isinstance(value, float):
-        return _float_label(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if not text or any(ch in text for ch in "\n\r\t"):
-            return None, ""  # a line break in a label is a quoting accident, not a name
-        if _INTEGER.match(text):
-            try:
-                return str(int(text)), ""
-            except ValueError:  # more digits than Python converts (4300)
-                return None, "a number too long"
-        if _NUMBER.match(text):
-            return _float_label(float(text))
-        if text.lower() in _NOT_A_NUMBER:
-            return None, "not a number"
-        if text.lower() in _INFINITE:
-            return None, "infinite"
-        return text, ""
-    return None, ""
-
-
-def _float_label(value: float) -> tuple[str | None, str]:
-    if value != value:
-        return None, "not a number"
-    if value in (float("inf"), float("-inf")):
-        return None, "infinite"
-    if not value.is_integer():
-        return None, "a fraction"
-    return str(int(value)), ""
-
-
-def _label_sort_key(text: str) -> tuple[int, int, str]:
-    return (0, int(text), "") if _INTEGER.match(text) else (1, 0, text)
-
-
-def label_values(texts: Iterable[str]) -> list[int | str]:
-    """The sorted label set from canonical texts: integers in numeric order when every label is
-    an integer, else names in text order (a mix of ``1`` and ``neg``, which only a fixed label
-    set allows: all are names)."""
-    unique = set(texts)
-    if unique and all(_INTEGER.match(t) for t in unique):
-        return sorted(int(t) for t in unique)
-    return sorted(unique)
-
-
-# --- inputs ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Source:
-    """One readable input: a data file, or a ``save_to_disk`` folder (``split`` for a dict)."""
-
-    path: Path
-    kind: str  # csv | tsv | jsonl | json | parquet | arrow
-    split: str | None = None
-
-
-def _kind_of(path: Path) -> str | None:
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    for suffix in FORMATS:
-        if name.endswith(suffix):
-            if suffix == ".parquet" and path.name.lower().endswith(".gz"):
-                return None
-            return suffix[1:]
-    return None
-
-
-def _is_saved_dataset(folder: Path) -> bool:
-    return (folder / "dataset_dict.json").is_file() or (
-        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
-    )
-
-
-def resolve_sources(path: str | Path, flag: str) -> list[Source]:
-    """The inputs ``path`` stands for; a UsageError naming ``flag`` when there are none."""
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"{flag}: {path}: no such file or folder")
-    if not path.is_file() and not path.is_dir():
-        # a FIFO (``<(zcat …)``) would block the first open and could not be read twice
-        raise UsageError(
-            f"{flag}: {path}: {_entry_kind(path.stat())}, not a file or folder (memfit reads "
-            "its data more than once: write it to a file)"
-        )
-    if path.is_file():
-        kind = _kind_of(path)
-        if kind is None:
-            raise UsageError(
-                f"{flag}: {path}: unknown format {_suffix(path)!r}; use .csv, .tsv, .jsonl, "
-                ".json or .parquet (or a folder of them, or a datasets save_to_disk folder)"
-            )
-        return [Source(path, kind)]
-    if _is_saved_dataset(path):
-        return [Source(path, "arrow", _split_for(path, flag))]
-    listing = _Listing()
-    _walk(path, path, listing)
-    files = sorted(listing.files)
-    readable = [p for p in files if _kind_of(p) is not None]
-    unreadable = [p for p in files if _kind_of(p) is None]
-    problems = []
-    if listing.odd:
-        odd = sorted(listing.odd)
-        names = ", ".join(f"{p.relative_to(path)} ({why})" for p, why in odd[:5])
-        more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
-        problems.append(
-            f"{flag}: {path}: the folder holds entries memfit does not read: {names}{more} "
-            "(it reads regular files and links to them; move the others out)"
-        )
-    if unreadable:
-        names = ", ".join(str(p.relative_to(path)) for p in unreadable[:5])
-        more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
-        problems.append(
-            f"{flag}: {path}: the folder holds files memfit cannot read: {names}{more} "
-            "(it reads .csv, .tsv, .jsonl, .json, .parquet; move the others out)"
-        )
-    if problems:
-        raise UsageError("\n".join(problems))
-    if not readable:
-        what = "only hidden files and job markers" if listing.hidden else "nothing"
-        raise UsageError(
-            f"{flag}: {path}: the folder holds no data files ({what}; memfit reads .csv, .tsv, "
-            ".jsonl, .json, .parquet)"
-        )
-    return [Source(p, _kind_of(p) or "") for p in readable]
-
-
-@dataclass
-class _Listing:
-    """What a data folder holds: its data files (regular files, or links to them), the entries
-    refused (with why) and whether hidden entries were passed over."""
-
-    files: list[Path] = field(default_factory=list)
-    odd: list[tuple[Path, str]] = field(default_factory=list)
-    hidden: bool = False
-
-
-def _walk(folder: Path, root: Path, listing: _Listing) -> None:
-    """List ``folder`` into ``listing``, down its subfolders; never opens an entry that is not a
-    regular file (a FIFO blocks its reader) and never follows a link to a folder (loops)."""
-    try:
-        with os.scandir(folder) as scan:
-            entries = list(scan)
-    except OSError as exc:
-        listing.odd.append((folder, f"a folder that cannot be listed: {exc.strerror or exc}"))
-        return
-    for entry in entries:
-        path = Path(entry.path)
-        if _hidden(path, root):
-            listing.hidden = True
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                _walk(path, root, listing)
-                continue
-            if entry.is_file(follow_symlinks=False):
-                listing.files.append(path)
-                continue
-            why = _odd_entry(path)
-        except OSError as exc:
-            why = f"cannot be read: {exc.strerror or exc}"
-        if why is None:
-            listing.files.append(path)  # a link to a regular file: read as that file
-        else:
-            listing.odd.append((path, why))
-
-
-def _odd_entry(path: Path) -> str | None:
-    """Why a folder entry that is neither a folder nor a regular file is refused; None for a
-    link that resolves to a regular file."""
-    if not path.is_symlink():
-        return _entry_kind(path.lstat())
-    try:
-        target = path.stat()
-    except OSError as exc:
-        return "a link that loops" if exc.errno == errno.ELOOP else "a broken link"
-    if stat.S_ISREG(target.st_mode):
-        return None
-    if stat.S_ISDIR(target.st_mode):
-        return "a link to a folder"
-    return f"a link to {_entry_kind(target)}"
-
-
-def _entry_kind(info: os.stat_result) -> str:
-    mode = info.st_mode
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
-
-
-def _suffix(path: Path) -> str:
-    return "".join(path.suffixes[-2:]) if path.name.lower().endswith(".gz") else path.suffix
-
-
-# marker files that jobs (Spark, Hadoop, managed services) leave beside their data
-_MARKERS = ("_SUCCESS", "_metadata", "_common_metadata")
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    # hidden files (.crc, .DS_Store) and job markers: never data
-    parts = path.relative_to(root).parts
-    name = path.name
-    return (
-        any(p.startswith(".") for p in parts)
-        or name in _MARKERS
-        or name.startswith(("_committed_", "_started_"))
-    )
-
-
-def _split_for(folder: Path, flag: str) -> str | None:
-    index = folder / "dataset_dict.json"
-    if not index.is_file():
-        return None
-    try:
-        splits = list(json.loads(index.read_text(encoding="utf-8")).get("splits", []))
-    except (OSError, ValueError):
-        raise UsageError(f"{flag}: {folder}: dataset_dict.json is not readable JSON") from None
-    wanted = ("train",) if flag == "--train-file" else ("validation", "eval", "test", "dev")
-    for name in wanted:
-        if name in splits:
-            return name
-    if len(splits) == 1:
-        return splits[0]
-    raise UsageError(
-        f"{flag}: {folder}: a DatasetDict with splits {', '.join(splits)}; none is "
-        f"{' or '.join(wanted)}: point {flag} at the split's own folder"
-    )
 
 
 # --- the scan ------------------------------------------------------------------------------------
@@ -449,9 +152,6 @@ class ScanResult:
     labels: set[str] = field(default_factory=set)
     # the good rows by the kind of their labels ("integer", "name"), in the order first seen
     kinds: Counter[str] = field(default_factory=Counter)
-
-
-RawRecord = tuple[int | None, Any, str | None]  # (line or row, the record, a parse problem)
 
 
 def scan_rows(
@@ -495,12 +195,12 @@ def _good_rows(
     labels: LabelRule,
     result: ScanResult,
 ) -> Iterator[Row]:
+    names = [c.name for c in columns]
     for source in sources:
-        name = str(source.path) + (f" [split {source.split}]" if source.split else "")
-        unit = "row" if source.kind in ("parquet", "arrow") else "line"
+        name, unit = source.name, source.unit
         found = 0
         try:
-            for number, record, parse_problem in _records(source, columns, flag):
+            for number, record, parse_problem in read_records(source, names):
                 if parse_problem is not None:
                     result.problems.append(Problem(flag, name, number, parse_problem, unit))
                     continue
@@ -516,24 +216,15 @@ def _good_rows(
                 for column in columns:
                     if column.kind == "label":
                         result.labels.add(row[column.name])
-                        integer = _INTEGER.match(row[column.name])
-                        result.kinds["integer" if integer else "name"] += 1
+                        result.kinds[label_kind(row[column.name])] += 1
                 at = f" {unit} {number}" if number is not None else ""
                 row[WHERE] = f"{flag}: {name}{at}"
                 yield row
-        except _FileProblem as exc:
+        except FileProblem as exc:
             result.problems.append(Problem(flag, name, exc.line, exc.reason, unit, True))
             continue
         if found == 0 and not any(p.file == name for p in result.problems):
             result.problems.append(Problem(flag, name, None, "no rows", unit, True))
-
-
-class _FileProblem(Exception):
-    """A problem that ends the reading of one file (empty, a missing column in its header)."""
-
-    def __init__(self, reason: str, line: int | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.line = reason, line
 
 
 def _check(record: Any, columns: Sequence[Column], labels: LabelRule) -> tuple[Row, list[str]]:
@@ -551,7 +242,7 @@ def _check(record: Any, columns: Sequence[Column], labels: LabelRule) -> tuple[R
             if value is None or (isinstance(value, str) and not value.strip()):
                 reasons.append(f"column {column.name!r} is empty")
                 continue
-            label, why = _label_text(value)
+            label, why = label_text(value)
             if label is None:
                 reasons.append(
                     f"column {column.name!r}: a label is an integer or a name, got "
@@ -586,284 +277,6 @@ def _shown_value(value: Any, limit: int = 60) -> str:
         return "an object"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-# --- raw records, with their lines -------------------------------------------------------------------
-def _records(source: Source, columns: Sequence[Column], flag: str) -> Iterator[RawRecord]:
-    if not source.path.name.lower().endswith(".gz"):
-        yield from _records_of(source, columns)
-        return
-    try:
-        yield from _records_of(source, columns)
-    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        # the rows past the break are lost: the whole file is refused, never skipped
-        raise _FileProblem(
-            f"not a readable gzip file (corrupt or truncated: {_first_line(exc)})"
-        ) from None
-
-
-def _records_of(source: Source, columns: Sequence[Column]) -> Iterator[RawRecord]:
-    if source.kind in ("csv", "tsv"):
-        yield from _csv_records(source.path, "\t" if source.kind == "tsv" else ",", columns)
-    elif source.kind == "parquet":
-        yield from _parquet_records(source.path, columns)
-    elif source.kind == "arrow":
-        yield from _saved_records(source, columns)
-    else:
-        yield from _json_records(source.path, source.kind)
-
-
-def _open_binary(path: Path) -> Any:
-    if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
-def _decoded_lines(path: Path, bad_lines: set[int]) -> Iterator[str]:
-    """The file's lines as text; a line that is not UTF-8 is noted in ``bad_lines`` and decoded
-    with replacement characters so the parse can go on to the next row."""
-    with _open_binary(path) as handle:
-        for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]  # a byte-order mark is no data
-            try:
-                yield raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad_lines.add(number)
-                yield raw.decode("utf-8", errors="replace") if exc.start >= 0 else ""
-
-
-def _is_blank_file(path: Path) -> bool:
-    with _open_binary(path) as handle:
-        while chunk := handle.read(1 << 16):
-            if chunk.strip(b" \t\r\n\xef\xbb\xbf"):
-                return False
-    return True
-
-
-def _undecodable(bad_lines: set[int], first: int, last: int) -> str | None:
-    hit = [n for n in range(first, last + 1) if n in bad_lines]
-    if not hit:
-        return None
-    return "undecodable bytes: not UTF-8 text (save the file as UTF-8)"
-
-
-def _csv_records(path: Path, delimiter: str, columns: Sequence[Column]) -> Iterator[RawRecord]:
-    if _is_blank_file(path):
-        raise _FileProblem("the file is empty")
-    bad_lines: set[int] = set()
-    # newline="" semantics: the csv module sees the line endings as they are
-    # strict: a stray or unclosed quote is an error at its line, never a field that swallows
-    # the rows after it
-    reader = csv.reader(_decoded_lines(path, bad_lines), delimiter=delimiter, strict=True)
-    try:
-        header = next(reader)
-    except csv.Error as exc:
-        raise _FileProblem(f"not valid CSV ({exc})", 1) from None
-    if 1 in bad_lines:
-        raise _FileProblem(_undecodable(bad_lines, 1, 1) or "", 1)
-    header = [h.strip() for h in header]
-    # a column the run reads, named twice: zip() into a dict would keep the last of them, a
-    # column lost without a word (others, and the empty names of trailing commas, are not read)
-    wanted = {c.name for c in columns}
-    twice = [h for i, h in enumerate(header) if h in wanted and h in header[:i]]
-    if twice:
-        times = header.count(twice[0])
-        raise _FileProblem(
-            f"the header names column {twice[0]!r} {'twice' if times == 2 else f'{times} times'} "
-            f"(columns: {', '.join(header)})",
-            1,
-        )
-    missing = [c.name for c in columns if c.name not in header]
-    if missing:
-        raise _FileProblem(
-            f"no column {missing[0]!r} in the header (columns: {', '.join(header)})", 1
-        )
-    last = reader.line_num
-    while True:
-        first = last + 1
-        try:
-            fields = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as exc:
-            last = reader.line_num
-            if "unexpected end of data" in str(exc):
-                yield first, None, "a quote opened on this line is never closed (not valid CSV)"
-                return
-            yield last, None, f"not valid CSV ({exc})"
-            continue
-        # reader.line_num is the line the record ends on (a quoted field may span lines)
-        last = reader.line_num
-        if not fields:
-            continue  # a blank line holds no row; a line of delimiters is a row of empty fields
-        undecodable = _undecodable(bad_lines, first, last)
-        if undecodable:
-            yield last, None, undecodable
-        elif len(fields) != len(header):
-            yield last, None, f"{len(fields)} fields, the header has {len(header)}"
-        else:
-            yield last, dict(zip(header, fields, strict=True)), None
-
-
-def _json_records(path: Path, kind: str) -> Iterator[RawRecord]:
-    if _is_blank_file(path):
-        raise _FileProblem("the file is empty")
-    bad_lines: set[int] = set()
-    lines = _decoded_lines(path, bad_lines)
-    if kind == "json":
-        first_text = ""
-        with _open_binary(path) as handle:
-            first_text = handle.read(4096).lstrip(b" \t\r\n\xef\xbb\xbf")[:1].decode("latin-1")
-        if first_text == "[":
-            text = "".join(lines)
-            if bad_lines:
-                raise _FileProblem(_undecodable(bad_lines, 1, max(bad_lines)) or "", min(bad_lines))
-            yield from _json_list_records(text)
-            return
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if number in bad_lines:
-            yield number, None, _undecodable(bad_lines, number, number)
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield number, None, f"not JSON ({exc.msg})"
-            continue
-        except RecursionError:
-            yield number, None, TOO_DEEP
-            continue
-        except ValueError as exc:  # an integer of more digits than Python converts
-            yield number, None, f"not JSON memfit reads ({_first_line(exc).split(':')[0]})"
-            continue
-        yield number, value, None
-
-
-def _json_list_records(text: str) -> Iterator[RawRecord]:
-    """A JSON list of objects, item by item so that each row knows the line it starts on."""
-    decoder = json.JSONDecoder()
-
-    def line_at(index: int) -> int:
-        return text.count("\n", 0, index) + 1
-
-    def skip_space(index: int) -> int:
-        while index < len(text) and text[index].isspace():
-            index += 1
-        return index
-
-    index = skip_space(text.index("[") + 1)
-    if index < len(text) and text[index] == "]":
-        return
-    while True:
-        start = skip_space(index)
-        try:
-            value, index = decoder.raw_decode(text, start)
-        except json.JSONDecodeError as exc:
-            # a broken list cannot be read past the break: the rest of the file is unread
-            raise _FileProblem(
-                f"not JSON ({exc.msg}); the rest of the file is unread", line_at(exc.pos)
-            ) from None
-        except (RecursionError, ValueError) as exc:
-            # too deep (or too long a number) to parse, but its end can be found: a bad row
-            end = _value_end(text, start)
-            if end is None:
-                raise _FileProblem(
-                    f"{TOO_DEEP if isinstance(exc, RecursionError) else 'not JSON'}; the rest "
-                    "of the file is unread",
-                    line_at(start),
-                ) from None
-            reason = TOO_DEEP if isinstance(exc, RecursionError) else "not JSON memfit reads"
-            yield line_at(start), None, reason
-            index = end
-        else:
-            yield line_at(start), value, None
-        index = skip_space(index)
-        if index < len(text) and text[index] == ",":
-            index += 1
-        elif index < len(text) and text[index] == "]":
-            rest = text[index + 1 :]
-            if rest.strip():
-                raise _FileProblem(
-                    "not JSON (extra data after the list)",
-                    line_at(index + 1 + len(rest) - len(rest.lstrip())),
-                )
-            return
-        else:
-            raise _FileProblem("not JSON (expecting ',' or ']')", line_at(index))
-
-
-def _value_end(text: str, start: int) -> int | None:
-    """The index just past the JSON array or object that starts at ``start`` (brackets counted
-    outside strings, without recursion), or None when it is not one or never closes."""
-    if start >= len(text) or text[start] not in "[{":
-        return None
-    depth, index, length = 0, start, len(text)
-    while index < length:
-        char = text[index]
-        if char == '"':
-            index += 1
-            while index < length and text[index] != '"':
-                index += 2 if text[index] == "\\" else 1
-        elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-            if depth == 0:
-                return index + 1
-        index += 1
-    return None
-
-
-def _parquet_records(path: Path, columns: Sequence[Column]) -> Iterator[RawRecord]:
-    import pyarrow.parquet as pq
-
-    try:
-        handle = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for files that are not Parquet
-        raise _FileProblem(f"not a Parquet file ({_first_line(exc)})") from None
-    names = handle.schema_arrow.names
-    wanted = {c.name for c in columns}
-    twice = [n for i, n in enumerate(names) if n in wanted and n in names[:i]]
-    if twice:
-        raise _FileProblem(f"column {twice[0]!r} occurs twice (columns: {', '.join(names)})")
-    missing = [c.name for c in columns if c.name not in names]
-    if missing:
-        raise _FileProblem(f"no column {missing[0]!r} (columns: {', '.join(names)})")
-    if handle.metadata.num_rows == 0:
-        raise _FileProblem("no rows")
-    number = 0
-    for batch in handle.iter_batches(columns=[c.name for c in columns], batch_size=4096):
-        for record in batch.to_pylist():
-            number += 1
-            yield number, record, None
-
-
-def _saved_records(source: Source, columns: Sequence[Column]) -> Iterator[RawRecord]:
-    from datasets import load_from_disk
-
-    try:
-        loaded: Any = load_from_disk(str(source.path))
-    except Exception as exc:  # datasets raises FileNotFoundError/ValueError for broken folders
-        raise _FileProblem(f"not a readable save_to_disk folder ({_first_line(exc)})") from None
-    if source.split is not None:
-        loaded = loaded[source.split]
-    names = list(loaded.column_names)
-    missing = [c.name for c in columns if c.name not in names]
-    if missing:
-        raise _FileProblem(f"no column {missing[0]!r} (columns: {', '.join(names)})")
-    number = 0
-    for batch in loaded.select_columns([c.name for c in columns]).iter(batch_size=4096):
-        keys = list(batch)
-        for values in zip(*(batch[k] for k in keys), strict=True):
-            number += 1
-            yield number, dict(zip(keys, values, strict=True)), None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # --- the table -------------------------------------------------------------------------------------
@@ -1074,16 +487,12 @@ __all__ = [
     "Column",
     "DataError",
     "DataOptions",
-    "LabelRule",
     "Problem",
     "Row",
     "RowTable",
     "all_lengths",
-    "canonical_label",
-    "label_values",
     "problem_at",
     "read_rows",
-    "resolve_sources",
     "row_error",
     "scan_rows",
     "text_of",

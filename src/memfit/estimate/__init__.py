@@ -4,7 +4,8 @@ The package is callable: ``memfit.estimate(...)`` is :func:`memfit.estimate.api.
 """
 
 from memfit._callable_module import make_callable
-from memfit.estimate.api import BREAKDOWN_KEYS, Estimate, clear_cache, estimate, validate
+from memfit.estimate.api import BREAKDOWN_KEYS, Estimate, estimate, validate
+from memfit.estimate.traces import clear_cache
 
 __all__ = ["BREAKDOWN_KEYS", "Estimate", "clear_cache", "estimate", "validate"]
 

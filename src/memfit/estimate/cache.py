@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from memfit.devices.profiles import CudaProfile
-from memfit.estimate import cuda_emulation
+from memfit.estimate import sdpa_kernels
 from memfit.estimate.fit import FittedSegment
 from memfit.estimate.trace import ParamInfo, Segment, StepTrace
 from memfit.estimate.workload import StepSpec
@@ -36,7 +36,7 @@ from memfit.estimate.workload import StepSpec
 FORMAT = 1
 # a trace file inflates to at most this much (a 48-layer model's is a few MB)
 MAX_BYTES = 256 * 2**20
-# the size formulas a trace may name (functions of cuda_emulation, bound to plain arguments)
+# the size formulas a trace may name (functions of sdpa_kernels, bound to plain arguments)
 FORMULAS = frozenset(
     {"_split_kv_bytes", "_rounded_bytes", "_padded_mask_bytes", "_workspace_formula"}
 )
@@ -69,7 +69,7 @@ def _source_digest() -> str:
 
 
 def write(path: Path, traced: Any, key: tuple[Any, ...]) -> bool:
-    """Write ``traced`` (an ``api._Traced`` of ``key``) to ``path``, never half-written.
+    """Write ``traced`` (a ``traces.Traced`` of ``key``) to ``path``, never half-written.
 
     False when it cannot be written (a read-only or full disk, something that is not data).
     """
@@ -181,7 +181,7 @@ def _formula_data(formula: Any) -> list[Any]:
     if (
         not isinstance(formula, functools.partial)
         or name not in FORMULAS
-        or getattr(cuda_emulation, name, None) is not function
+        or getattr(sdpa_kernels, name, None) is not function
     ):
         raise _NotData(f"size formula {formula!r}")
     return [
@@ -288,7 +288,7 @@ def _formula_from(data: list[Any]) -> Any:
     name, args, keywords = data
     if name not in FORMULAS:
         raise ValueError(f"unknown size formula {name!r}")
-    function = getattr(cuda_emulation, name)
+    function = getattr(sdpa_kernels, name)
     return functools.partial(
         function, *(_unplain(a) for a in args), **{k: _unplain(v) for k, v in keywords.items()}
     )

@@ -402,6 +402,26 @@ def module_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+@dataclass
+class _Parts:
+    """What one scheme decides for :func:`layout`, before the optimizer state is cut to shards."""
+
+    resident: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # per parameter: its gradient's bytes after and during backward, the share of its state
+    param_sizes: list[tuple[int, int]] = field(default_factory=list)
+    state_shard: list[float] = field(default_factory=list)
+    windows: list[Window] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    drop_casts: bool = False
+    optimizer_factor: float = 1.0
+    # FSDP only (see ShardLayout)
+    block_parameters: tuple[int, ...] = ()
+    block_trainable: tuple[int, ...] = ()
+    compute_bytes: int = 4
+    forward_prefetch: bool = False
+    root_reduce_scatter: int = 0
+
+
 def layout(
     trace: StepTrace,
     spec: StepSpec,
@@ -411,177 +431,205 @@ def layout(
     hidden_size: int,
 ) -> ShardLayout:
     """The per-rank sizes of ``scheme`` on ``world_size`` ranks for this trace (see the module)."""
-    params = trace.params
-    fsdp: tuple[tuple[int, ...], tuple[int, ...], int, bool] = ((), (), 4, False)
-    root_reduce_scatter = 0
-    train = spec.mode == "train"
-    mixed = spec.precision != "fp32"
-    W = world_size
-    resident: dict[int, tuple[tuple[int, int], ...]] = {}
-    param_sizes: list[tuple[int, int]] = []
-    state_shard: list[float] = []
-    pcat, gcat, scat = CAT["parameters"], CAT["gradients"], CAT["optimizer_state"]
-    P = sum(p.numel for p in params)
-    Pt = sum(p.numel for p in params if p.trainable)
-    details: dict[str, Any] = {}
-    windows: list[Window] = []
-    b = module_bytes(spec.precision)
-    fwd, bwd, opt = PHASE["forward"], PHASE["backward"], PHASE["optimizer_step"]
-
     if scheme in DEEPSPEED_SCHEMES:
-        settings = ZeroSettings.for_model(int(scheme[-1]), hidden_size)
-        stage = settings.stage
-        persistent = 0
-        for p in params:
-            keep_whole = stage < 3 or (p.numel < settings.param_persistence_threshold)
-            if stage == 3 and keep_whole:
-                persistent += p.numel
-            module = b * (p.numel if keep_whole else -(-p.numel // W))
-            pieces = [(module, pcat)]
-            if p.trainable and train:
-                # DeepSpeed's fp32 copy of the partition this rank updates (master weights)
-                pieces.append((4 * -(-p.numel // W), scat))
-            resident[p.alloc] = tuple(pieces)
-            grad = b * (p.numel if stage == 1 else -(-p.numel // W))
-            param_sizes.append((grad, grad))
-            state_shard.append(1 / W)
-        largest = trace.largest_module_parameters
-        largest_param = max((p.numel for p in params if p.trainable), default=0)
-        bucket = b * settings.reduce_bucket_size * (2 if settings.overlap_comm else 1)
-        partitioned = P - persistent
-        if stage == 3:
-            kept = (
-                min(partitioned, settings.max_reuse_distance // 2, settings.max_live_parameters)
-                if train
-                else 0
-            )
-            gathered = b * (kept + largest + settings.prefetch_bucket_size)
-            windows.append(Window("gathered_parameters", gathered, pcat, frozenset({fwd, bwd})))
-            if train:
-                # the 16-bit gradients of the module being reduced, and the reduce bucket
-                windows.append(
-                    Window("unreduced_gradients", b * largest + bucket, gcat, frozenset({bwd}))
-                )
-            details["gather"] = {
-                "kept_gathered_parameters": kept,
-                "largest_layer_parameters": largest,
-                "prefetch_bucket_parameters": settings.prefetch_bucket_size,
-                "gathered_parameter_bytes": gathered,
-                "unreduced_gradient_bytes": b * largest + bucket if train else 0,
-            }
-        elif train:
-            # a parameter's whole 16-bit gradient until its bucket is reduced, and the bucket
-            extra = bucket + (b * largest_param if stage == 2 else 0)
-            windows.append(Window("reduce_buckets", extra, gcat, frozenset({bwd})))
-            details["gather"] = {"reduce_bucket_bytes": bucket, "unreduced_gradient_bytes": extra}
-        fp32_partition = 4 * -(-Pt // W) if train and Pt else 0
-        if fp32_partition:
-            # step(): the flat fp32 gradient partition the optimizer reads, freed after it
-            windows.append(
-                Window("fp32_gradient_partition", fp32_partition, gcat, frozenset({opt}))
-            )
-        model_params = b * (P if stage < 3 else persistent + -(-partitioned // W))
-        model_grads = (b * (Pt if stage == 1 else -(-Pt // W))) if train else 0
-        master = 4 * -(-Pt // W) if train else 0
-        state = _sharded_state_bytes(trace, state_shard) if train else 0
-        paper_params = b * (P if stage < 3 else -(-P // W))
-        implementation = {
-            "fp32_gradient_partition": fp32_partition,
-            "persistent_parameters": model_params - paper_params,
-        }
-        details["deepspeed"] = {"zero_optimization": settings.config()}
-        details["model_state"] = _model_state(
-            paper_params,
-            model_grads,
-            master + state,
-            implementation,
-            paper=_paper_bytes(scheme, P, W) if _paper_applies(spec, P, Pt) else None,
-            deepspeed=_deepspeed_bytes(scheme, P, largest, W)
-            if _paper_applies(spec, P, Pt)
-            else None,
-        )
-        drop_casts = mixed
-        optimizer_factor = 1 / W
+        parts = _zero_parts(trace, spec, scheme, world_size, hidden_size)
     elif scheme == "fsdp":
-        blocks: dict[int, int] = {}
-        trainable_blocks: dict[int, int] = {}
-        root = reduced_at_the_end = 0
-        sharded_params = sharded_trainable = 0
-        c = 2 if mixed else 4  # the dtype the layers compute with (param_dtype)
-        late = _blocks_reduced_at_the_end(trace)
-        for p in params:
-            rows = shard_rows(p.shape, W)
-            sharded_params += rows
-            resident[p.alloc] = ((4 * rows, pcat),)
-            # a block's gradients are reduce-scattered to fp32 shards as its backward ends; the
-            # root's (and those of a block whose backward has no end marker: the embeddings)
-            # wait for the end of backward, whole and in the compute dtype
-            whole = p.block < 0 or p.block in late
-            param_sizes.append((4 * rows, c * rows * W if whole else 4 * rows))
-            if whole and p.trainable:
-                reduced_at_the_end += rows * W
-            state_shard.append(rows / max(1, p.numel))
-            if p.trainable:
-                sharded_trainable += rows
-            unsharded = rows * W  # the all-gather output is padded too
-            if p.block < 0:
-                root += unsharded
-            else:
-                blocks[p.block] = blocks.get(p.block, 0) + unsharded
-                if p.trainable:
-                    trainable_blocks[p.block] = trainable_blocks.get(p.block, 0) + unsharded
-        # the root's parameters (embeddings, heads) are gathered as the forward starts and not
-        # resharded until backward ends (their gradients: see param_sizes above)
-        windows.append(Window("root_parameters", c * root, pcat, frozenset({fwd, bwd})))
-        count = 1 + max(blocks, default=-1)
-        block_parameters = tuple(blocks.get(i, 0) for i in range(count))
-        block_trainable = tuple(trainable_blocks.get(i, 0) for i in range(count))
-        largest = max(block_parameters, default=0)
-        details["gather"] = {
-            "root_parameters": root,
-            "largest_block_parameters": largest,
-            "blocks": count,
-            "compute_bytes_per_parameter": c,
-            "forward_prefetch": spec.device == "cuda",
-        }
-        grads = 4 * sum(shard_rows(p.shape, W) for p in params if p.trainable) if train else 0
-        state = _sharded_state_bytes(trace, state_shard) if train else 0
-        details["model_state"] = _model_state(
-            4 * sharded_params,
-            grads,
-            state,
-            {},
-            paper=_paper_bytes("zero3", P, W) if _paper_applies(spec, P, Pt) else None,
-            deepspeed=None,
-        )
-        drop_casts = mixed
-        optimizer_factor = sharded_trainable / Pt if Pt else 1.0
-        fsdp = (block_parameters, block_trainable, c, spec.device == "cuda")
-        root_reduce_scatter = 4 * reduced_at_the_end if train else 0
+        parts = _fsdp_parts(trace, spec, world_size)
     else:
         raise ValueError(f"unknown sharding scheme {scheme!r}")
-
+    params = trace.params
     for g, size in _traced_states(trace):
         # the optimizer state that exists between steps, cut to this rank's shard
         index = trace.resident_params[g]
-        resident[g] = ((_state_bytes(size, state_shard[index], params[index].numel), scat),)
+        state = _state_bytes(size, parts.state_shard[index], params[index].numel)
+        parts.resident[g] = ((state, CAT["optimizer_state"]),)
     return ShardLayout(
         scheme=scheme,
-        world_size=W,
-        resident=resident,
-        windows=tuple(w for w in windows if w.size > 0),
-        details=details,
-        block_parameters=fsdp[0],
-        block_trainable=fsdp[1],
-        compute_bytes=fsdp[2],
-        forward_prefetch=fsdp[3],
-        root_reduce_scatter=root_reduce_scatter,
-        _param_sizes=param_sizes,
-        _state_shard=state_shard,
+        world_size=world_size,
+        resident=parts.resident,
+        windows=tuple(w for w in parts.windows if w.size > 0),
+        details=parts.details,
+        block_parameters=parts.block_parameters,
+        block_trainable=parts.block_trainable,
+        compute_bytes=parts.compute_bytes,
+        forward_prefetch=parts.forward_prefetch,
+        root_reduce_scatter=parts.root_reduce_scatter,
+        _param_sizes=parts.param_sizes,
+        _state_shard=parts.state_shard,
         _param_numels=[p.numel for p in params],
-        _drop_casts=drop_casts,
-        _optimizer_factor=optimizer_factor,
+        _drop_casts=parts.drop_casts,
+        _optimizer_factor=parts.optimizer_factor,
     )
+
+
+def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_size: int) -> _Parts:
+    """DeepSpeed ZeRO stage 1, 2 or 3 (``scheme``): partitions, buffers and model states."""
+    settings = ZeroSettings.for_model(int(scheme[-1]), hidden_size)
+    stage = settings.stage
+    params = trace.params
+    train = spec.mode == "train"
+    pcat, gcat, scat = CAT["parameters"], CAT["gradients"], CAT["optimizer_state"]
+    P = sum(p.numel for p in params)
+    Pt = sum(p.numel for p in params if p.trainable)
+    b = module_bytes(spec.precision)
+    parts = _Parts(drop_casts=spec.precision != "fp32", optimizer_factor=1 / W)
+    persistent = 0
+    for p in params:
+        keep_whole = stage < 3 or (p.numel < settings.param_persistence_threshold)
+        if stage == 3 and keep_whole:
+            persistent += p.numel
+        module = b * (p.numel if keep_whole else -(-p.numel // W))
+        pieces = [(module, pcat)]
+        if p.trainable and train:
+            # DeepSpeed's fp32 copy of the partition this rank updates (master weights)
+            pieces.append((4 * -(-p.numel // W), scat))
+        parts.resident[p.alloc] = tuple(pieces)
+        grad = b * (p.numel if stage == 1 else -(-p.numel // W))
+        parts.param_sizes.append((grad, grad))
+        parts.state_shard.append(1 / W)
+    largest = trace.largest_module_parameters
+    partitioned = P - persistent
+    if stage == 3:
+        _zero3_buffers(parts, settings, b, largest, partitioned, train)
+    elif train:
+        largest_param = max((p.numel for p in params if p.trainable), default=0)
+        _zero12_buffers(parts, settings, b, largest_param)
+    fp32_partition = 4 * -(-Pt // W) if train and Pt else 0
+    if fp32_partition:
+        # step(): the flat fp32 gradient partition the optimizer reads, freed after it
+        opt = frozenset({PHASE["optimizer_step"]})
+        parts.windows.append(Window("fp32_gradient_partition", fp32_partition, gcat, opt))
+    model_params = b * (P if stage < 3 else persistent + -(-partitioned // W))
+    model_grads = (b * (Pt if stage == 1 else -(-Pt // W))) if train else 0
+    master = 4 * -(-Pt // W) if train else 0
+    state = _sharded_state_bytes(trace, parts.state_shard) if train else 0
+    paper_params = b * (P if stage < 3 else -(-P // W))
+    implementation = {
+        "fp32_gradient_partition": fp32_partition,
+        "persistent_parameters": model_params - paper_params,
+    }
+    applies = _paper_applies(spec, P, Pt)
+    parts.details["deepspeed"] = {"zero_optimization": settings.config()}
+    parts.details["model_state"] = _model_state(
+        paper_params,
+        model_grads,
+        master + state,
+        implementation,
+        paper=_paper_bytes(scheme, P, W) if applies else None,
+        deepspeed=_deepspeed_bytes(scheme, P, largest, W) if applies else None,
+    )
+    return parts
+
+
+def _reduce_bucket_bytes(settings: ZeroSettings, b: int) -> int:
+    """ZeRO's gradient reduce bucket (two of them with ``overlap_comm``)."""
+    return b * settings.reduce_bucket_size * (2 if settings.overlap_comm else 1)
+
+
+def _zero12_buffers(parts: _Parts, settings: ZeroSettings, b: int, largest_param: int) -> None:
+    """ZeRO-1/2's gradient buffers during backward (training only)."""
+    # a parameter's whole 16-bit gradient until its bucket is reduced (ZeRO-2), and the bucket
+    bucket = _reduce_bucket_bytes(settings, b)
+    extra = bucket + (b * largest_param if settings.stage == 2 else 0)
+    gcat, bwd = CAT["gradients"], frozenset({PHASE["backward"]})
+    parts.windows.append(Window("reduce_buckets", extra, gcat, bwd))
+    parts.details["gather"] = {"reduce_bucket_bytes": bucket, "unreduced_gradient_bytes": extra}
+
+
+def _zero3_buffers(
+    parts: _Parts, settings: ZeroSettings, b: int, largest: int, partitioned: int, train: bool
+) -> None:
+    """ZeRO-3's gathered parameters (forward and backward) and unreduced gradients (backward)."""
+    fwd, bwd = PHASE["forward"], PHASE["backward"]
+    kept = (
+        min(partitioned, settings.max_reuse_distance // 2, settings.max_live_parameters)
+        if train
+        else 0
+    )
+    gathered = b * (kept + largest + settings.prefetch_bucket_size)
+    bucket = _reduce_bucket_bytes(settings, b)
+    parts.windows.append(
+        Window("gathered_parameters", gathered, CAT["parameters"], frozenset({fwd, bwd}))
+    )
+    if train:
+        # the 16-bit gradients of the module being reduced, and the reduce bucket
+        parts.windows.append(
+            Window("unreduced_gradients", b * largest + bucket, CAT["gradients"], frozenset({bwd}))
+        )
+    parts.details["gather"] = {
+        "kept_gathered_parameters": kept,
+        "largest_layer_parameters": largest,
+        "prefetch_bucket_parameters": settings.prefetch_bucket_size,
+        "gathered_parameter_bytes": gathered,
+        "unreduced_gradient_bytes": b * largest + bucket if train else 0,
+    }
+
+
+def _fsdp_parts(trace: StepTrace, spec: StepSpec, W: int) -> _Parts:
+    """FSDP2: per-tensor row shards, the root's gathered parameters and the blocks' sizes."""
+    params = trace.params
+    train = spec.mode == "train"
+    mixed = spec.precision != "fp32"
+    pcat = CAT["parameters"]
+    P = sum(p.numel for p in params)
+    Pt = sum(p.numel for p in params if p.trainable)
+    parts = _Parts(drop_casts=mixed)
+    blocks: dict[int, int] = {}
+    trainable_blocks: dict[int, int] = {}
+    root = reduced_at_the_end = 0
+    sharded_params = sharded_trainable = 0
+    c = 2 if mixed else 4  # the dtype the layers compute with (param_dtype)
+    late = _blocks_reduced_at_the_end(trace)
+    for p in params:
+        rows = shard_rows(p.shape, W)
+        sharded_params += rows
+        parts.resident[p.alloc] = ((4 * rows, pcat),)
+        # a block's gradients are reduce-scattered to fp32 shards as its backward ends; the
+        # root's (and those of a block whose backward has no end marker: the embeddings)
+        # wait for the end of backward, whole and in the compute dtype
+        whole = p.block < 0 or p.block in late
+        parts.param_sizes.append((4 * rows, c * rows * W if whole else 4 * rows))
+        if whole and p.trainable:
+            reduced_at_the_end += rows * W
+        parts.state_shard.append(rows / max(1, p.numel))
+        if p.trainable:
+            sharded_trainable += rows
+        unsharded = rows * W  # the all-gather output is padded too
+        if p.block < 0:
+            root += unsharded
+        else:
+            blocks[p.block] = blocks.get(p.block, 0) + unsharded
+            if p.trainable:
+                trainable_blocks[p.block] = trainable_blocks.get(p.block, 0) + unsharded
+    # the root's parameters (embeddings, heads) are gathered as the forward starts and not
+    # resharded until backward ends (their gradients: see param_sizes above)
+    fwd_bwd = frozenset({PHASE["forward"], PHASE["backward"]})
+    parts.windows.append(Window("root_parameters", c * root, pcat, fwd_bwd))
+    count = 1 + max(blocks, default=-1)
+    parts.block_parameters = tuple(blocks.get(i, 0) for i in range(count))
+    parts.block_trainable = tuple(trainable_blocks.get(i, 0) for i in range(count))
+    parts.details["gather"] = {
+        "root_parameters": root,
+        "largest_block_parameters": max(parts.block_parameters, default=0),
+        "blocks": count,
+        "compute_bytes_per_parameter": c,
+        "forward_prefetch": spec.device == "cuda",
+    }
+    grads = 4 * sum(shard_rows(p.shape, W) for p in params if p.trainable) if train else 0
+    state = _sharded_state_bytes(trace, parts.state_shard) if train else 0
+    parts.details["model_state"] = _model_state(
+        4 * sharded_params,
+        grads,
+        state,
+        {},
+        paper=_paper_bytes("zero3", P, W) if _paper_applies(spec, P, Pt) else None,
+        deepspeed=None,
+    )
+    parts.optimizer_factor = sharded_trainable / Pt if Pt else 1.0
+    parts.compute_bytes = c
+    parts.forward_prefetch = spec.device == "cuda"
+    parts.root_reduce_scatter = 4 * reduced_at_the_end if train else 0
+    return parts
 
 
 def _blocks_reduced_at_the_end(trace: StepTrace) -> set[int]:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memfit.estimate import workload
+from memfit.estimate.fake_model import BackwardModes, build_fake_model
 from memfit.estimate.workload import StepSpec
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "transient")
@@ -243,80 +244,6 @@ class StorageRecorder(TorchDispatchMode):
         return self._parameter_storages.get(args[0].untyped_storage()._cdata)
 
 
-class BackwardModes:
-    """Checkpoint recomputation under the torch-function modes the backward was called in.
-
-    The CUDA emulation lives in torch-function modes around the step. torch 2.13 keeps them on
-    the stack while the autograd engine recomputes a checkpointed block; torch 2.11 does not, and
-    the recomputation then runs CPU kernels (math SDPA, float dropout masks) whose saved tensors
-    differ from the forward's (``CheckpointError``). ``wrap`` records the stack when backward
-    starts; ``context_fn`` (``torch.utils.checkpoint``'s) pushes what is missing from it during
-    a recomputation, and nothing where the modes are still there.
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[Any] = []
-
-    def wrap(
-        self, inner: Callable[[], contextlib.AbstractContextManager[Any]]
-    ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-        @contextlib.contextmanager
-        def modes() -> Iterator[None]:
-            with inner():
-                saved, self._stack = self._stack, list(_function_mode_stack())
-                try:
-                    yield
-                finally:
-                    self._stack = saved
-
-        return modes
-
-    def context_fn(self) -> tuple[contextlib.AbstractContextManager[Any], Any]:
-        return contextlib.nullcontext(), self._recompute()
-
-    @contextlib.contextmanager
-    def _recompute(self) -> Iterator[None]:
-        present = _function_mode_stack()
-        missing = [m for m in self._stack if not any(m is p for p in present)]
-        for mode in missing:
-            torch._C._push_on_torch_function_stack(mode)
-        try:
-            yield
-        finally:
-            for _ in missing:
-                torch._C._pop_torch_function_stack()
-
-
-def _function_mode_stack() -> list[Any]:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return list(_get_current_function_mode_stack())
-
-
-def build_fake_model(
-    config: Any,
-    spec: StepSpec,
-    fake_mode: FakeTensorMode,
-    backward: BackwardModes | None = None,
-) -> torch.nn.Module:
-    """Build on the meta device (no init cost), then give it fake CPU storage."""
-    with torch.device("meta"):
-        model = workload.build_model(
-            config, spec, checkpoint_context_fn=backward.context_fn if backward else None
-        )
-    with fake_mode:
-        model = model.to_empty(device="cpu")
-    # to_empty replaces parameters one by one, which unties shared weights (GPT-2's lm_head)
-    for module in model.modules():
-        if (
-            hasattr(module, "tie_weights")
-            and isinstance(module, torch.nn.Module)
-            and hasattr(module, "config")
-        ):
-            module.tie_weights()  # type: ignore[operator]
-    return model
-
-
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     # frees must happen at the same point in every trace, so cyclic garbage is collected only at
@@ -435,12 +362,196 @@ def trace_steps(
     is all of a step that depends on the shape. ``step_modes`` wraps each step in extra modes (the
     CUDA emulation); ``autocast`` wraps the forward.
     """
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    keeper = BackwardModes()
-    model = build_fake_model(config, spec, fake_mode, keeper)
-    recorder = StorageRecorder()
-    params = list(model.parameters())
-    blocks = fsdp_blocks(model)
+    tracer = _Tracer.build(config, spec, autocast, step_modes, backward_modes)
+    recorder = tracer.recorder
+    steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
+    resident = len(recorder.sizes)
+    initial = list(range(resident))
+    steady: list[int] = []
+    first_optimizer_globals: list[int] = []
+    with _no_gc():
+        for index, (batch_size, seq_len) in enumerate(shapes):
+            start = len(recorder.events)
+            grad_ids = tracer.run(batch_size, seq_len, step_optimizer=index < optimizer_steps)
+            fb, opt, opt_globals = tracer.cut(
+                start, resident, grad_ids, optimizer=tracer.train and index < optimizer_steps
+            )
+            if index == 0:
+                first_optimizer_globals = opt_globals
+                steady = sorted(recorder._live.values())
+            steps.append(((batch_size, seq_len), fb, opt))
+            # allocations of this step that survive it (optimizer state) are resident from now on
+            resident = len(recorder.sizes)
+    return tracer.step_trace(steps, initial, steady, first_optimizer_globals)
+
+
+@dataclass
+class _Tracer:
+    """A fake model with its recorder, optimizer and modes: what every traced step shares."""
+
+    config: Any
+    spec: StepSpec
+    fake_mode: FakeTensorMode
+    keeper: BackwardModes
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    blocks: list[torch.nn.Module]
+    recorder: StorageRecorder
+    resident_blocks: list[int]  # the FSDP block of each initial resident, -1 for the root's
+    parameter_bytes: int
+    optimizer: torch.optim.Optimizer | None
+    scaler: Any
+    autocast: AutocastFactory
+    step_modes: Callable[[], contextlib.AbstractContextManager[Any]]
+    backward_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None
+
+    @property
+    def train(self) -> bool:
+        return self.spec.mode == "train"
+
+    @classmethod
+    def build(
+        cls,
+        config: Any,
+        spec: StepSpec,
+        autocast: AutocastFactory | None,
+        step_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+        backward_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    ) -> _Tracer:
+        """Build the fake model, record its parameters and buffers, hook its blocks."""
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        keeper = BackwardModes()
+        model = build_fake_model(config, spec, fake_mode, keeper)
+        recorder = StorageRecorder()
+        params = list(model.parameters())
+        blocks = fsdp_blocks(model)
+        resident_blocks = _register_residents(model, params, blocks, recorder, fake_mode)
+        parameter_bytes = sum(
+            s
+            for s, c in zip(recorder.sizes, recorder.categories, strict=True)
+            if c == CAT["parameters"]
+        )
+        _mark_blocks(blocks, recorder)
+        train = spec.mode == "train"
+        optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
+        scaler = workload.make_scaler(spec, spec.device, fake=True)
+        if autocast is None:
+            autocast = workload.default_autocast(spec, "cpu")
+        return cls(
+            config=config,
+            spec=spec,
+            fake_mode=fake_mode,
+            keeper=keeper,
+            model=model,
+            params=params,
+            blocks=blocks,
+            recorder=recorder,
+            resident_blocks=resident_blocks,
+            parameter_bytes=parameter_bytes,
+            optimizer=optimizer,
+            scaler=scaler,
+            autocast=autocast,
+            step_modes=step_modes or contextlib.nullcontext,
+            backward_modes=backward_modes,
+        )
+
+    def run(self, batch_size: int, seq_len: int, *, step_optimizer: bool) -> set[int]:
+        """Run one step under the recorder; the allocation ids of the gradients it made."""
+        recorder, spec, model = self.recorder, self.spec, self.model
+        grad_ids: set[int] = set()
+        with self.fake_mode, recorder, self.step_modes():
+            recorder.set_phase("setup")
+            batch = workload.make_batch(self.config, spec, batch_size, seq_len)
+            if not self.train:
+                workload.eval_step(model, batch, spec, autocast=self.autocast, recorder=recorder)
+            else:
+                optimizer = self.optimizer
+                assert optimizer is not None
+                workload.forward_backward(
+                    model,
+                    batch,
+                    spec,
+                    scaler=self.scaler,
+                    autocast=self.autocast,
+                    backward_modes=self.keeper.wrap(self.backward_modes or contextlib.nullcontext),
+                    recorder=recorder,
+                )
+                for param_index, p in enumerate(self.params):
+                    if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None:
+                        grad_ids.add(i)
+                        recorder.alloc_params[i] = param_index
+                recorder.set_phase("optimizer_step")
+                if step_optimizer:
+                    if self.scaler is not None:
+                        self.scaler.step(optimizer)
+                    else:
+                        optimizer.step()
+                # flush the gradients as soon as we can, no need for this memory anymore
+                optimizer.zero_grad(set_to_none=True)
+            # the batch lives until the loop fetches the next one
+            del batch
+        return grad_ids
+
+    def cut(
+        self, start: int, resident: int, grad_ids: set[int], *, optimizer: bool
+    ) -> tuple[Segment, Segment | None, list[int]]:
+        """The step recorded from event ``start`` on as its forward+backward segment and, where
+        ``optimizer``, its optimizer segment, with the global ids of the latter's allocations."""
+        recorder, train = self.recorder, self.train
+        state_ids = _optimizer_state_ids(self.optimizer, recorder, self.params)
+        mid = _phase_start(recorder.events, start, PHASE["optimizer_step"])
+        fb, local = _segment(recorder, start, mid, resident, grad_ids, state_ids, train=train)
+        if not optimizer:
+            return fb, None, []
+        stop = len(recorder.events)
+        opt, opt_local = _segment(
+            recorder, mid, stop, resident, grad_ids, state_ids, train=train, previous=local
+        )
+        return fb, opt, sorted(opt_local, key=opt_local.__getitem__)
+
+    def step_trace(
+        self,
+        steps: list[tuple[tuple[int, int], Segment, Segment | None]],
+        initial: list[int],
+        steady: list[int],
+        first_optimizer_globals: list[int],
+    ) -> StepTrace:
+        """The traced steps with everything about the model a replay needs."""
+        model, params, recorder = self.model, self.params, self.recorder
+        param_infos = _param_infos(self.blocks, params, recorder)
+        steady_set = set(steady)
+        return StepTrace(
+            block_layers=block_layers(model, self.blocks),
+            resident_blocks=self.resident_blocks,
+            params=param_infos,
+            resident_params={g: i for g, i in recorder.alloc_params.items() if g in steady_set},
+            largest_module_parameters=max(
+                (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+                default=0,
+            ),
+            resident_sizes=list(recorder.sizes),
+            resident_categories=list(recorder.categories),
+            steps=steps,
+            num_parameters=sum(p.numel() for p in params),
+            trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+            trainable_gradient_bytes=sum(
+                p.numel() * p.element_size() for p in params if p.requires_grad
+            ),
+            parameter_bytes=self.parameter_bytes,
+            initial=initial,
+            steady=steady,
+            first_optimizer_globals=first_optimizer_globals,
+        )
+
+
+def _register_residents(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    blocks: list[torch.nn.Module],
+    recorder: StorageRecorder,
+    fake_mode: FakeTensorMode,
+) -> list[int]:
+    """Record the parameters and buffers as the first allocations; the FSDP block of each."""
     block_of: dict[int, int] = {}  # storage -> the FSDP block that holds it
     for block_index, block in enumerate(blocks):
         for tensor in [*block.parameters(), *block.buffers()]:
@@ -457,108 +568,10 @@ def trace_steps(
             recorder.register(b, "buffers")
             if len(recorder.sizes) > before:
                 resident_blocks.append(block_of.get(b.untyped_storage()._cdata, -1))
-    parameter_bytes = sum(
-        s
-        for s, c in zip(recorder.sizes, recorder.categories, strict=True)
-        if c == CAT["parameters"]
-    )
-    _mark_blocks(blocks, recorder)
-    train = spec.mode == "train"
-    optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
-    scaler = workload.make_scaler(spec, spec.device, fake=True)
-    if autocast is None:
-        autocast = workload.default_autocast(spec, "cpu")
-    extra = step_modes or contextlib.nullcontext
-
-    steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
-    resident = len(recorder.sizes)
-    initial = list(range(resident))
-    steady: list[int] = []
-    first_optimizer_globals: list[int] = []
-    with _no_gc():
-        for index, (batch_size, seq_len) in enumerate(shapes):
-            start = len(recorder.events)
-            grad_ids: set[int] = set()
-            with fake_mode, recorder, extra():
-                recorder.set_phase("setup")
-                batch = workload.make_batch(config, spec, batch_size, seq_len)
-                if not train:
-                    workload.eval_step(model, batch, spec, autocast=autocast, recorder=recorder)
-                else:
-                    assert optimizer is not None
-                    workload.forward_backward(
-                        model,
-                        batch,
-                        spec,
-                        scaler=scaler,
-                        autocast=autocast,
-                        backward_modes=keeper.wrap(backward_modes or contextlib.nullcontext),
-                        recorder=recorder,
-                    )
-                    grad_ids = set()
-                    for param_index, p in enumerate(params):
-                        if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None:
-                            grad_ids.add(i)
-                            recorder.alloc_params[i] = param_index
-                    recorder.set_phase("optimizer_step")
-                    if index < optimizer_steps:
-                        if scaler is not None:
-                            scaler.step(optimizer)
-                        else:
-                            optimizer.step()
-                    # flush the gradients as soon as we can, no need for this memory anymore
-                    optimizer.zero_grad(set_to_none=True)
-                # the batch lives until the loop fetches the next one
-                del batch
-            state_ids = _optimizer_state_ids(optimizer, recorder, params)
-            mid = _phase_start(recorder.events, start, PHASE["optimizer_step"])
-            fb, local = _segment(recorder, start, mid, resident, grad_ids, state_ids, train=train)
-            opt = None
-            if train and index < optimizer_steps:
-                opt, opt_local = _segment(
-                    recorder,
-                    mid,
-                    len(recorder.events),
-                    resident,
-                    grad_ids,
-                    state_ids,
-                    train=train,
-                    previous=local,
-                )
-                if index == 0:
-                    first_optimizer_globals = sorted(opt_local, key=opt_local.__getitem__)
-            if index == 0:
-                steady = sorted(recorder._live.values())
-            steps.append(((batch_size, seq_len), fb, opt))
-            # allocations of this step that survive it (optimizer state) are resident from now on
-            resident = len(recorder.sizes)
-    param_infos = _param_infos(blocks, params, recorder)
-    steady_set = set(steady)
-    return StepTrace(
-        block_layers=_block_layers(model, blocks),
-        resident_blocks=resident_blocks,
-        params=param_infos,
-        resident_params={g: i for g, i in recorder.alloc_params.items() if g in steady_set},
-        largest_module_parameters=max(
-            (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-            default=0,
-        ),
-        resident_sizes=list(recorder.sizes),
-        resident_categories=list(recorder.categories),
-        steps=steps,
-        num_parameters=sum(p.numel() for p in params),
-        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
-        trainable_gradient_bytes=sum(
-            p.numel() * p.element_size() for p in params if p.requires_grad
-        ),
-        parameter_bytes=parameter_bytes,
-        initial=initial,
-        steady=steady,
-        first_optimizer_globals=first_optimizer_globals,
-    )
+    return resident_blocks
 
 
-def _block_layers(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[int]:
+def block_layers(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[int]:
     """Each block's index in the model's stack of repeated layers (the longest ``ModuleList``
     made of blocks), -1 for a block outside it (BERT's embeddings)."""
     index = {id(block): i for i, block in enumerate(blocks)}

@@ -17,57 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-TASKS = ("classification", "causal-lm", "sentence-embedding")
-PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor", "sgd")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-MODES = ("train", "eval")
-DEVICES = ("cuda", "cpu")
-LOSSES = {
-    "classification": ("cross-entropy",),
-    "causal-lm": ("cross-entropy",),
-    # sentence-transformers' names: MultipleNegativesRankingLoss, CoSENTLoss, CosineSimilarityLoss,
-    # SoftmaxLoss. mnrl is the default for (anchor, positive) pairs.
-    "sentence-embedding": ("mnrl", "cached-mnrl", "cosent", "cosine", "softmax"),
-}
-# losses whose every sample is compared with the rest of its batch: a smaller batch (gradient
-# accumulation) changes the objective; their cached (GradCache) variant does not
-IN_BATCH_NEGATIVE_LOSSES = ("mnrl", "cached-mnrl")
-CACHED_LOSSES = {"mnrl": "cached-mnrl"}
-# sentence-transformers' CachedMultipleNegativesRankingLoss default mini-batch
-DEFAULT_MINI_BATCH_SIZE = 32
-DEFAULT_LOSS = {
-    "classification": "cross-entropy",
-    "causal-lm": "cross-entropy",
-    "sentence-embedding": "mnrl",
-}
-LOSS_ALIASES = {
-    "multiplenegativesrankingloss": "mnrl",
-    "multiple-negatives-ranking": "mnrl",
-    "cosentloss": "cosent",
-    "cosinesimilarityloss": "cosine",
-    "cosine-similarity": "cosine",
-    "softmaxloss": "softmax",
-    "cachedmultiplenegativesrankingloss": "cached-mnrl",
-    "cached-multiple-negatives-ranking": "cached-mnrl",
-    "cachedmnrl": "cached-mnrl",
-    "ce": "cross-entropy",
-    "cross_entropy": "cross-entropy",
-}
-
-
-def resolve_loss(task: str, loss: str | None, problems: list[str]) -> str:
-    """The canonical loss name for ``task`` (its default when None); a problem if it has none."""
-    if task not in TASKS:
-        return "cross-entropy"
-    resolved = DEFAULT_LOSS[task] if loss is None else LOSS_ALIASES.get(loss.lower(), loss.lower())
-    if resolved not in LOSSES[task]:
-        problems.append(
-            f"--loss: {loss!r} is not a loss for --task {task}; choose one of {', '.join(LOSSES[task])}"
-        )
-    return resolved
-
-
 # sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
 MNRL_SCALE = 20.0
 COSENT_SCALE = 20.0

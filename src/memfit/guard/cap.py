@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from memfit.errors import UsageError
 from memfit.units import format_bytes
 
-# the guard recognizes the cap's errors by this text (see memfit.guard.guard.is_oom)
+# the guard recognizes the cap's errors by this text (see memfit.guard.oom.is_oom)
 CAP_MESSAGE_PREFIX = "memfit memory cap"
 
 

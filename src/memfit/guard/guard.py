@@ -15,7 +15,8 @@ holds, the gradients the earlier chunks and the half-finished backward wrote), h
 micro-batch (with a token budget: the budget, to half the padded tokens of the chunk that failed)
 and re-runs the whole step from its start: the same rows, each exactly once, the same gradient.
 After ``grow_after`` clean steps it tries twice the micro-batch (budget) again, up to the planned
-one; a grow that fails doubles the wait before the next try.
+one; a grow that fails doubles the wait before the next try (the policy, shared with the Trainer
+integrations and guarded inference: :mod:`memfit.guard.policy`).
 
 With several ranks (``ranks``, see :mod:`memfit.train.distributed`) each rank runs its share of the
 step's rows and the ranks meet at a sync point after every micro-batch (a rank with fewer
@@ -28,17 +29,15 @@ the smallest proposed micro-batch (token budget): every rank re-runs the step wi
 from __future__ import annotations
 
 import contextlib
-import gc
-import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
 from memfit.data.batching import padded_tokens, split_into_chunks
-from memfit.guard.cap import CAP_MESSAGE_PREFIX
+from memfit.guard.oom import CatchOom, drop_gradients, free_memory
+from memfit.guard.policy import BackOff, EventSink, agree, back_off
 
-EventSink = Callable[[dict[str, Any]], None]
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
@@ -89,10 +88,6 @@ class RankAgreement(Protocol):
     def gather_object(self, obj: Any) -> list[Any]: ...
 
 
-# a budget no rank proposes: "keep mine" in the agreement on the smallest one
-_NO_LIMIT = 1 << 62
-
-
 class StepTooLarge(Exception):
     """Even micro-batch 1 runs out of memory; the gradients are cleared already.
 
@@ -107,49 +102,19 @@ class StepTooLarge(Exception):
         self.phase = phase
 
 
-# lowercase fragments of messages that mean out of memory, and only that
-_OOM_MESSAGES = (
-    "out of memory",  # CUDA, the CUDA caching allocator, and the memory cap
-    "cublas_status_alloc_failed",
-    "defaultcpuallocator: can't allocate memory",
-    CAP_MESSAGE_PREFIX,
-)
+def _too_large(phase: str) -> Callable[[str], NoReturn]:
+    """What the policy calls when one row does not fit: :class:`StepTooLarge` for ``phase``."""
+
+    def stop(error: str) -> NoReturn:
+        raise StepTooLarge(error, micro_batch_size=1, phase=phase)
+
+    return stop
 
 
-def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is an out-of-memory error, also when something wrapped it in a
-    ``RuntimeError`` (its message or its ``__cause__`` then says so)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, torch.OutOfMemoryError | MemoryError):
-            return True
-        if isinstance(current, RuntimeError):
-            message = str(current).lower()
-            if any(fragment in message for fragment in _OOM_MESSAGES):
-                return True
-            if "cudnn_status_not_supported" in message and "memory" in message:
-                return True
-        current = current.__cause__
-    return False
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _release(exc: BaseException) -> None:
-    """Drop what an exception keeps alive: its traceback's frames hold the failed graph."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if current.__traceback__ is not None:
-            traceback.clear_frames(current.__traceback__)
-            current.__traceback__ = None
-        current = current.__cause__ or current.__context__
+def _from_peer(caught: CatchOom) -> bool:
+    """Whether the OOM ``caught`` was another rank's (:class:`PeerOutOfMemory` raised here)."""
+    kind = caught.exception_type
+    return kind is not None and issubclass(kind, PeerOutOfMemory)
 
 
 class Guard:
@@ -182,8 +147,8 @@ class Guard:
             raise ValueError(f"grow_after must be at least 1, got {grow_after}")
         self.micro_batch_size = int(micro_batch_size)
         self.target_micro_batch_size = int(target_micro_batch_size or micro_batch_size)
-        self.grow_after = int(grow_after)
-        self.clean_steps = 0
+        # when to grow back (the micro-batch, or the token budget where there is one)
+        self.policy = BackOff(grow_after)
         self.on_event = on_event
         self.device = device
         if max_tokens is not None and max_tokens < 1:
@@ -191,7 +156,6 @@ class Guard:
         # the token budget of a chunk, padding included (None: rows only)
         self.max_tokens = int(max_tokens) if max_tokens else None
         self.target_max_tokens = int(target_max_tokens or max_tokens or 0) or None
-        self._growing = False  # the step in flight tries a grown micro-batch
         # called as each phase starts ("forward", "backward"): per-phase memory peaks
         self.on_phase = on_phase
         # called with a caught OOM before its graph is released (a CUDA memory snapshot)
@@ -206,6 +170,24 @@ class Guard:
         self.pad_pass = pad_pass
         # called after a failed attempt, before the re-run (FSDP resets its iteration state)
         self.on_recover = on_recover
+
+    @property
+    def grow_after(self) -> int:
+        """Clean steps before the next try of a larger micro-batch (doubles after a failed one)."""
+        return self.policy.grow_after
+
+    @grow_after.setter
+    def grow_after(self, value: int) -> None:
+        self.policy.grow_after = int(value)
+
+    @property
+    def clean_steps(self) -> int:
+        """Clean steps since the last OOM or grow (a caller may restart the count)."""
+        return self.policy.clean_steps
+
+    @clean_steps.setter
+    def clean_steps(self, value: int) -> None:
+        self.policy.clean_steps = int(value)
 
     # -- training ----------------------------------------------------------------------------
     def step(
@@ -232,38 +214,32 @@ class Guard:
         clean = True
         while True:
             size = self.micro_batch_size
-            error: str | None = None
-            own = False
             units = int(total_units) if total_units is not None else recipe.units(rows)
-            try:
+            with CatchOom(self._own_oom) as caught:
                 loss = self._forward_backward(rows, recipe, size, autocast, scale, units, params)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                own = not isinstance(exc, PeerOutOfMemory)
-                error = _first_line(exc)
-                if own and self.on_oom is not None:
-                    self.on_oom(exc)
-                _release(exc)
+            error = caught.error
             if error is None:
                 break
-            # out of the except block: the exception and its frames are gone now
+            # out of the with block: the exception and its frames are gone now
+            own = not _from_peer(caught)
             clean = False
             if self.on_recover is not None:
                 self.on_recover()
-            self._clear_grads(params)
-            self._free_memory()
+            # the failed attempt's gradients are partial: the re-run accumulates the whole step
+            drop_gradients(params)
+            free_memory(self.device)
             if own and self.ranks is not None:
                 # the sync point the others are waiting at: they learn of it there
                 self.ranks.anyone(True)
-            if self._growing:
-                # the grown size does not fit: wait twice as long before the next try
-                self._growing = False
-                self.grow_after *= 2
+            self.policy.after_oom()
             self._adopt_back_off(error, own=own, rows=len(rows), size=size, step=step)
-        self._growing = False
-        self.clean_steps = self.clean_steps + 1 if clean else 0
+        self.policy.after_step(clean)
         return loss
+
+    def _own_oom(self, exc: BaseException) -> None:
+        """``on_oom`` for this rank's own OOMs (not for another rank's, raised here)."""
+        if self.on_oom is not None and not isinstance(exc, PeerOutOfMemory):
+            self.on_oom(exc)
 
     def _adopt_back_off(
         self, error: str, *, own: bool, rows: int, size: int, step: int | None
@@ -278,7 +254,7 @@ class Guard:
             return
         # several ranks: the ranks that failed propose half of what failed (0: even one row
         # fails), the others keep theirs; all take the smallest
-        proposal_rows, proposal_tokens = self.micro_batch_size, self.max_tokens or _NO_LIMIT
+        proposal_rows, proposal_tokens = self.micro_batch_size, self.max_tokens
         if own:
             rows_failed, padded = self._chunk
             event: dict[str, Any] = {"type": "oom", "step": step, "micro_batch_size": size}
@@ -287,13 +263,12 @@ class Guard:
                 proposal_tokens = (
                     0
                     if rows_failed <= 1 or not padded or (self.max_tokens or 0) <= 1
-                    else max(1, min(self.max_tokens or padded, padded) // 2)
+                    else BackOff.halve_tokens(self.max_tokens or padded, padded)
                 )
             else:
-                effective = min(size, rows_failed or rows or size)
-                proposal_rows = 0 if effective <= 1 else effective // 2
+                proposal_rows = BackOff.halve(size, rows_failed or rows or size)
             self._emit({**event, "error": error})
-        agreed_rows, agreed_tokens = self.ranks.least(proposal_rows, proposal_tokens)
+        agreed_rows, agreed_tokens = agree(self.ranks, proposal_rows, proposal_tokens)
         if agreed_rows < 1 or agreed_tokens < 1:
             raise StepTooLarge(
                 error if own else "another rank ran out of memory with one row per micro-batch",
@@ -398,24 +373,21 @@ class Guard:
         return padded_tokens(lengths, getattr(recipe, "pad_multiple", 1))
 
     def _maybe_grow(self, step: int | None) -> None:
-        if self.clean_steps < self.grow_after:
-            return
+        """Twice the token budget (where there is one) or micro-batch, when the policy says so."""
         if self.max_tokens is not None and self.target_max_tokens is not None:
-            if self.max_tokens >= self.target_max_tokens:
-                return
             old = self.max_tokens
-            new = min(self.target_max_tokens, old * 2)
+            new = self.policy.grow(old, self.target_max_tokens)
+            if new is None:
+                return
             self._emit({"type": "grow", "step": step, "max_tokens_from": old, "max_tokens_to": new})
             self.max_tokens = new
         else:
-            if self.micro_batch_size >= self.target_micro_batch_size:
-                return
             old = self.micro_batch_size
-            new = min(self.target_micro_batch_size, old * 2)
+            new = self.policy.grow(old, self.target_micro_batch_size)
+            if new is None:
+                return
             self._emit({"type": "grow", "step": step, "from": old, "to": new})
             self.micro_batch_size = new
-        self.clean_steps = 0
-        self._growing = True
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(
@@ -458,19 +430,14 @@ class Guard:
                     if done
                     else self.chunks(list(rows[start : start + size]), recipe, size, budget)[0]
                 )
-                error: str | None = None
                 partial: Any = None
-                try:
+                with CatchOom() as caught:
                     if chunk:
                         with autocast():
                             partial = recipe.eval_partial(chunk)
                     elif self.pad_pass is not None:
                         self.pad_pass(False)
-                except Exception as exc:
-                    if not is_oom(exc):
-                        raise
-                    error = _first_line(exc)
-                    _release(exc)
+                error = caught.error
                 if error is None and chunk:
                     partials.append(partial)
                     start += len(chunk)
@@ -480,12 +447,12 @@ class Guard:
                     continue
                 if self.on_recover is not None:
                     self.on_recover()
-                self._free_memory()
+                free_memory(self.device)
                 if ranks is None:
                     assert error is not None
                     size = self._back_off(size, len(chunk), error, step=step, phase="eval")
                     if budget is not None:
-                        budget = max(1, min(budget, self._padded(recipe, chunk) or budget) // 2)
+                        budget = BackOff.halve_tokens(budget, self._padded(recipe, chunk) or budget)
                     continue
                 size, budget = self._agree_eval_back_off(recipe, chunk, error, size, budget, step)
         if ranks is not None:
@@ -503,7 +470,7 @@ class Guard:
     ) -> tuple[int, int | None]:
         """Several ranks: the eval chunk size (token budget) every rank adopts after an OOM."""
         assert self.ranks is not None
-        proposal_rows, proposal_tokens = size, budget or _NO_LIMIT
+        proposal_rows, proposal_tokens = size, budget
         if error is not None:
             self._emit(
                 {
@@ -514,11 +481,12 @@ class Guard:
                     "error": error,
                 }
             )
-            effective = min(size, len(chunk))
-            proposal_rows = 0 if effective <= 1 else effective // 2
+            proposal_rows = BackOff.halve(size, len(chunk))
             if budget is not None:
-                proposal_tokens = max(1, min(budget, self._padded(recipe, chunk) or budget) // 2)
-        rows, tokens = self.ranks.least(proposal_rows, proposal_tokens)
+                proposal_tokens = BackOff.halve_tokens(
+                    budget, self._padded(recipe, chunk) or budget
+                )
+        rows, tokens = agree(self.ranks, proposal_rows, proposal_tokens)
         if rows < 1:
             raise StepTooLarge(
                 error or "another rank ran out of memory evaluating one row",
@@ -535,20 +503,15 @@ class Guard:
     # -- recovery ----------------------------------------------------------------------------
     def _back_off(self, size: int, rows: int, error: str, *, step: int | None, phase: str) -> int:
         """Report the OOM and return the next smaller size; StepTooLarge below 1."""
-        event: dict[str, Any] = {"type": "oom", "step": step, "micro_batch_size": size}
-        if phase != "train":
-            event["phase"] = phase
-        self._emit({**event, "error": error})
-        # a size above the rows there are ran them all at once: halve what really ran
-        effective = min(size, rows)
-        if effective <= 1:
-            raise StepTooLarge(error, micro_batch_size=1, phase=phase)
-        new = effective // 2
-        backoff: dict[str, Any] = {"type": "backoff", "step": step, "from": size, "to": new}
-        if phase != "train":
-            backoff["phase"] = phase
-        self._emit(backoff)
-        return new
+        return back_off(
+            size,
+            rows,
+            error,
+            emit=self._emit,
+            stop=_too_large(phase),
+            step=step,
+            phase=None if phase == "train" else phase,
+        )
 
     def _back_off_tokens(self, error: str, *, step: int | None) -> int:
         """Report the OOM of a token-budget chunk and return the next budget: half the padded
@@ -558,8 +521,7 @@ class Guard:
         self._emit({**event, "max_tokens": self.max_tokens, "error": error})
         if rows <= 1 or not padded or self.max_tokens is None or self.max_tokens <= 1:
             raise StepTooLarge(error, micro_batch_size=1, phase="train")
-        # half of what failed, and always below the budget before: the retries end
-        new = max(1, min(self.max_tokens, padded) // 2)
+        new = BackOff.halve_tokens(self.max_tokens, padded)
         self._emit(
             {
                 "type": "backoff",
@@ -571,20 +533,6 @@ class Guard:
             }
         )
         return new
-
-    @staticmethod
-    def _clear_grads(params: Sequence[torch.Tensor]) -> None:
-        # the failed attempt's gradients are partial (earlier chunks, a backward that died
-        # half-way): drop them all, the re-run accumulates the whole step again
-        for param in params:
-            param.grad = None
-
-    def _free_memory(self) -> None:
-        # the failed graph may sit in reference cycles; collect it before the re-run allocates
-        gc.collect()
-        if torch.cuda.is_available() and (self.device is None or self.device.type == "cuda"):
-            # hand cached blocks back so the smaller attempt starts from a defragmented pool
-            torch.cuda.empty_cache()
 
     def _emit(self, event: dict[str, Any]) -> None:
         if self.on_event is not None:
@@ -612,4 +560,4 @@ class Guard:
         if "max_tokens" in state:
             self.max_tokens = state["max_tokens"]
             self.target_max_tokens = state.get("target_max_tokens")
-        self._growing = False
+        self.policy.growing = False

@@ -5,8 +5,8 @@ outputs hold every input row, in input order.
 ``memfit.infer.predict(model=..., file=..., output=...)`` and ``memfit.infer.embed(...)`` take the
 CLI's flags as keywords (:class:`~memfit.infer.run.InferConfig`) and return an
 :class:`~memfit.infer.run.InferResult`. The flow is in :mod:`memfit.infer.run`; the command
-functions in :mod:`memfit.infer.cli` (imported by ``memfit.cli``, so this module stays light: torch
-and transformers load on first use).
+functions in :mod:`memfit.commands.predict` and :mod:`memfit.commands.embed` (this module stays
+light: torch and transformers load on first use).
 """
 
 from __future__ import annotations

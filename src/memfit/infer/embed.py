@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from memfit._callable_module import make_callable
-from memfit.data.rows import resolve_sources
+from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
 from memfit.infer.inputs import FLAG, id_type, read_input
 from memfit.infer.model import load_sentence_transformer, model_folder

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.data.records import FileProblem, read_records
 from memfit.data.rows import (
     WHERE,
     Column,
@@ -25,8 +26,8 @@ from memfit.data.rows import (
     Problem,
     RowTable,
     read_rows,
-    resolve_sources,
 )
+from memfit.data.sources import resolve_sources
 
 # ids must be scalars that JSON and Parquet keep as they are
 Id = str | int | float
@@ -92,16 +93,12 @@ def read_ids(path: str | Path, column: str, *, required: bool) -> list[Id] | Non
     """Every row's value of ``column``, in row order; None when the column is not there and not
     ``required``. A row without a usable id is a problem at its line, all reported at once."""
     # the same record reader read_rows uses, so files, order and line numbers are the same
-    from memfit.data.rows import _FileProblem, _records
-
     ids: list[Id] = []
     problems: list[Problem] = []
-    wanted = [Column(column)]
     for number_of_source, source in enumerate(resolve_sources(path, FLAG)):
-        name = str(source.path) + (f" [split {source.split}]" if source.split else "")
-        unit = "row" if source.kind in ("parquet", "arrow") else "line"
+        name, unit = source.name, source.unit
         try:
-            for number, record, _parse_problem in _records(source, wanted, FLAG):
+            for number, record, _parse_problem in read_records(source, [column]):
                 first = number_of_source == 0 and not ids and not problems
                 if first and not required and isinstance(record, dict) and column not in record:
                     return None  # the input has no id column: none is passed through
@@ -114,7 +111,7 @@ def read_ids(path: str | Path, column: str, *, required: bool) -> list[Id] | Non
                     continue
                 assert value is not None
                 ids.append(value)
-        except _FileProblem as exc:
+        except FileProblem as exc:
             if number_of_source == 0 and not required and "no column" in exc.reason:
                 return None
             reason = f"{exc.reason} (--id-column {column})"

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from memfit.errors import UsageError
+from memfit.job import TASKS
 
 T = TypeVar("T")
 
-PREDICT_TASKS = ("classification", "causal-lm")
-TASKS = (*PREDICT_TASKS, "sentence-embedding")
+# memfit predict runs the tasks with a head; sentence embeddings are memfit embed's
+PREDICT_TASKS = tuple(t for t in TASKS if t != "sentence-embedding")
 
 
 def model_folder(path: str | Path) -> Path:

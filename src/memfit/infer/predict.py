@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from memfit._callable_module import make_callable
 from memfit.data.batching import padded_width
-from memfit.data.rows import resolve_sources
+from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
 from memfit.infer.inputs import FLAG, Input, read_input
 from memfit.infer.model import (

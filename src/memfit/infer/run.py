@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +47,8 @@ from memfit.data.batching import padded_width
 from memfit.data.rows import DataError, problem_at
 from memfit.errors import NothingFitsError, UsageError
 from memfit.infer.inputs import Input
+from memfit.job import DEVICES, PRECISIONS, choice_problem, whole_problem
+from memfit.runtime import JsonlLog, autocast, resolve_device
 from memfit.units import format_bytes, parse_size
 
 # the starting batch on the CPU without a budget: large enough to batch well, backed off on OOM
@@ -59,8 +60,6 @@ MAX_PLANNED_BATCH_SIZE = 1024
 BLOCK_ROWS = 4096
 # the share of the budget the plan leaves free, as memfit plan does
 SAFETY_MARGIN = 0.05
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("cpu", "cuda")
 
 
 @dataclass
@@ -181,29 +180,20 @@ class Item:
 def config_problems(cfg: InferConfig) -> list[str]:
     """Every problem with the flags, at once, before anything is read or loaded."""
     problems: list[str] = []
-    if cfg.batch_size is not None and (
-        not isinstance(cfg.batch_size, int)
-        or isinstance(cfg.batch_size, bool)
-        or cfg.batch_size < 1
-    ):
-        problems.append(f"--batch-size: must be a whole number ≥ 1, got {cfg.batch_size!r}")
-    if cfg.max_seq_len is not None and (
-        not isinstance(cfg.max_seq_len, int) or cfg.max_seq_len < 1
-    ):
-        problems.append(f"--max-seq-len: must be a whole number ≥ 1, got {cfg.max_seq_len!r}")
+    for flag, count in (("--batch-size", cfg.batch_size), ("--max-seq-len", cfg.max_seq_len)):
+        if count is not None and (problem := whole_problem(flag, count)):
+            problems.append(problem)
     for flag, value in (("--gpu-memory", cfg.gpu_memory), ("--memory-cap", cfg.memory_cap)):
         if value is not None:
             try:
                 parse_size(value, name=flag)
             except UsageError as exc:
                 problems.append(str(exc))
-    if cfg.precision not in PRECISIONS:
-        problems.append(
-            f"--precision: unknown value {cfg.precision!r}; choose one of {', '.join(PRECISIONS)}"
-        )
+    if problem := choice_problem("--precision", cfg.precision, PRECISIONS):
+        problems.append(problem)
     if cfg.device is not None:
-        if cfg.device not in DEVICES:
-            problems.append(f"--device: unknown value {cfg.device!r}; choose cpu or cuda")
+        if problem := choice_problem("--device", cfg.device, DEVICES):
+            problems.append(problem)
         elif cfg.device == "cuda" and not torch.cuda.is_available():
             problems.append("--device cuda: this machine has no CUDA GPU; use --device cpu")
     from memfit.paths import dir_problem, file_problem
@@ -221,12 +211,6 @@ def config_problems(cfg: InferConfig) -> list[str]:
     if cfg.id_column is not None and cfg.id_column in columns:
         problems.append(f"--id-column: {cfg.id_column!r} is also a text column; pick another")
     return problems
-
-
-def resolve_device(cfg: InferConfig) -> torch.device:
-    if cfg.device:
-        return torch.device(cfg.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_max_seq_len(cfg: InferConfig, limit: int, what: str) -> int:
@@ -459,35 +443,7 @@ class GuardedInference:
         return [by_index[item.index] for item in items]
 
 
-# --- events ----------------------------------------------------------------------------------------
-class EventLog:
-    """``--events FILE``: one JSON object per line, flushed as each happens (a log, so a run that
-    stops leaves the events up to the stop; the output file is the atomic one)."""
-
-    def __init__(self, path: str | None) -> None:
-        self._handle = open(path, "w", encoding="utf-8") if path else None  # noqa: SIM115
-        self.events: list[dict[str, Any]] = []
-
-    def write(self, event: dict[str, Any]) -> None:
-        record = {"time": round(time.time(), 3), **event}
-        self.events.append(record)
-        if self._handle is not None:
-            self._handle.write(json.dumps(record) + "\n")
-            self._handle.flush()
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-
-
 # --- the run -------------------------------------------------------------------------------------
-def _autocast(device: torch.device, precision: str) -> Callable[[], Any]:
-    if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device.type, dtype=dtype)
-
-
 def measure_lengths(runner: Runner, data: Input) -> np.ndarray[Any, Any]:
     """Every row's token length, read in blocks; a row with no tokens is a problem at its line
     (nothing to run), all reported at once."""
@@ -515,7 +471,7 @@ def run(
 ) -> InferResult:
     """Plan, then run every row of ``data`` under the guard; ``write(indices, outputs)`` gets each
     block in input order (ascending indices). The caller opened the output and commits it."""
-    device = resolve_device(cfg)
+    device = resolve_device(cfg.device)
     lengths = measure_lengths(runner, data)
     longest = int(lengths.max())
     budget, counts_context = budget_bytes(cfg, device)
@@ -532,7 +488,9 @@ def run(
         given=cfg.batch_size,
     )
     cap_bytes = parse_size(cfg.memory_cap, name="--memory-cap") if cfg.memory_cap else None
-    events = EventLog(cfg.events)
+    # --events FILE: a log, flushed as each event happens (a run that stops leaves the events up
+    # to the stop; the output file is the atomic one), made afresh when the run starts
+    events = JsonlLog(cfg.events or None, mode="w", stamp=True, open_now=True)
     try:
         events.write(
             {
@@ -552,7 +510,7 @@ def run(
             batch_size=plan.batch_size,
             device=device,
             phase=command,
-            autocast=_autocast(device, cfg.precision),
+            autocast=autocast(device, cfg.precision),
             on_event=events.write,
         )
         runner.to(device)

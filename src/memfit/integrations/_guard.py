@@ -30,7 +30,8 @@ that call, so the guard overrides ``training_step`` itself:
   set-aside copy would hold a second gradient at the end of every later call's backward.
 * The chunk size is kept for later steps; after ``grow_after`` clean optimizer steps it doubles
   (up to the whole micro-batch) at a step boundary, and a grow that runs out of memory doubles
-  the wait before the next try, as :class:`memfit.guard.Guard` does.
+  the wait before the next try: :class:`memfit.guard.Guard`'s policy
+  (:class:`memfit.guard.policy.BackOff`).
 
 Dropout: with dropout off a guarded run ends with the same weights as an unguarded one (up to
 float summation order). With dropout on, the re-run draws new masks: equal in distribution.
@@ -40,7 +41,7 @@ One process only: under DDP an OOM on one rank would have to become every rank's
 from __future__ import annotations
 
 import contextlib
-import gc
+import functools
 import json
 import logging
 import math
@@ -49,7 +50,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -57,7 +58,8 @@ from transformers import TrainerCallback
 
 from memfit.errors import NothingFitsError
 from memfit.guard.cap import CpuMemoryCap, memory_cap
-from memfit.guard.guard import _first_line, _release, is_oom
+from memfit.guard.oom import CatchOom, drop_gradients, free_memory
+from memfit.guard.policy import BackOff, back_off
 from memfit.integrations._batch import batch_rows, concat_outputs, count_items, split_batch
 from memfit.units import parse_size
 
@@ -105,7 +107,6 @@ class TrainerGuardMixin(_TrainerBase):
     guard_eval_batch_size: int | None
     guard_events: list[dict[str, Any]]
     guard_cap: CpuMemoryCap | None
-    guard_grow_after: int
     guard_memory_cap_bytes: int | None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -119,7 +120,8 @@ class TrainerGuardMixin(_TrainerBase):
         self.guard_memory_cap_bytes = (
             None if memory_cap is None else parse_size(memory_cap, name=name)
         )
-        self.guard_grow_after = grow_after
+        # when to grow back: the schedule memfit's Guard follows, counted in optimizer steps
+        self._guard_policy = BackOff(grow_after)
         self.guard_micro_batch_size = None
         self.guard_eval_batch_size = None
         self.guard_events = []
@@ -130,10 +132,18 @@ class TrainerGuardMixin(_TrainerBase):
         self._guard_step_key: int | None = None
         self._guard_step_calls: list[tuple[Mapping[str, Any], Any]] = []
         self._guard_step_clean = True
-        self._guard_clean_steps = 0
-        self._guard_growing = False
         # how compute_loss reduces, found on first need (see _guard_reduction)
         self._guard_items_normalised: bool | None = None
+
+    @property
+    def guard_grow_after(self) -> int:
+        """Clean optimizer steps before the next try of a larger chunk (doubles after a failed
+        one)."""
+        return self._guard_policy.grow_after
+
+    @guard_grow_after.setter
+    def guard_grow_after(self, value: int) -> None:
+        self._guard_policy.grow_after = int(value)
 
     def _guard_check_arguments(self) -> None:
         """Say where the arguments limit what the guard does (after the Trainer's __init__)."""
@@ -226,28 +236,20 @@ class TrainerGuardMixin(_TrainerBase):
         self._guard_step_calls.append(call)
         pending = [call]
         while True:
-            error: str | None = None
-            try:
+            # an OOM's traceback frames hold the failed graph: CatchOom lets it go
+            with CatchOom() as caught:
                 for past_inputs, past_items in pending[:-1]:
                     # the step's earlier calls: their gradients went with the failed attempt's
                     self._guard_run_call(model, past_inputs, past_items)
                 loss = self._guard_run_call(model, inputs, num_items_in_batch)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                error = _first_line(exc)
-                # the traceback's frames hold the failed graph: let it go
-                _release(exc)
+            error = caught.error
             if error is None:
                 return loss
-            # out of the except block: the exception and its frames are gone now
+            # out of the with block: the exception and its frames are gone now
             self._guard_step_clean = False
             self._guard_drop_gradients()
-            self._guard_free_memory()
-            if self._guard_growing:
-                # the grown size does not fit: wait twice as long before the next try
-                self._guard_growing = False
-                self.guard_grow_after *= 2
+            free_memory(self.args.device)
+            self._guard_policy.after_oom()
             self._guard_back_off(inputs, error)
             pending = list(self._guard_step_calls)
 
@@ -258,15 +260,15 @@ class TrainerGuardMixin(_TrainerBase):
         key = int(self.state.global_step)
         if key == self._guard_step_key:
             return
+        policy = self._guard_policy
         if self._guard_step_key is not None:
-            self._guard_clean_steps = self._guard_clean_steps + 1 if self._guard_step_clean else 0
-        self._guard_growing = False
+            policy.after_step(self._guard_step_clean)
+        policy.growing = False
         self._guard_step_key = key
         self._guard_step_calls = []
         self._guard_step_clean = True
-        if self._guard_clean_steps >= self.guard_grow_after and self._guard_grow():
-            self._guard_clean_steps = 0
-            self._guard_growing = True
+        if policy.due() and self._guard_grow():
+            policy.grew()
 
     def _guard_run_call(
         self, model: nn.Module, inputs: Mapping[str, Any], num_items_in_batch: Any
@@ -413,19 +415,10 @@ class TrainerGuardMixin(_TrainerBase):
     def _guard_drop_gradients(self) -> None:
         # the failed attempt's gradients are partial (earlier calls, a backward that died
         # half-way): drop them all, the re-run accumulates the whole step again
-        for param in self._guard_parameters():
-            param.grad = None
+        drop_gradients(self._guard_parameters())
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
-
-    def _guard_free_memory(self) -> None:
-        # the failed graph may sit in reference cycles; collect it before the re-run allocates
-        gc.collect()
-        if torch.cuda.is_available() and self.args.device.type == "cuda":
-            # hand cached blocks back so the smaller attempt starts from a defragmented pool
-            torch.cuda.empty_cache()
+                drop_gradients(group["params"])
 
     def _guard_step_number(self) -> int:
         return int(self.state.global_step) + 1
@@ -436,12 +429,14 @@ class TrainerGuardMixin(_TrainerBase):
         rows = batch_rows(inputs)
         size = min(self.guard_micro_batch_size or rows, rows)
         step = self._guard_step_number()
-        self._guard_emit({"type": "oom", "step": step, "micro_batch_size": size, "error": error})
-        if size <= 1:
-            self._guard_stop(step, "one row per forward pass does not fit", error)
-        new = size // 2
-        self._guard_emit({"type": "backoff", "step": step, "from": size, "to": new})
-        self.guard_micro_batch_size = new
+        self.guard_micro_batch_size = back_off(
+            size,
+            rows,
+            error,
+            emit=self._guard_emit,
+            stop=functools.partial(self._guard_stop, step, "one row per forward pass does not fit"),
+            step=step,
+        )
 
     def _guard_grow(self) -> bool:
         """Try twice the chunk size from the next step on; False when there is nothing to grow."""
@@ -457,7 +452,7 @@ class TrainerGuardMixin(_TrainerBase):
         self.guard_micro_batch_size = None if new >= whole else new
         return True
 
-    def _guard_stop(self, step: int, reason: str, error: str) -> None:
+    def _guard_stop(self, step: int, reason: str, error: str) -> NoReturn:
         self._guard_emit({"type": "stop", "step": step, "reason": reason})
         raise NothingFitsError(
             f"step {step}: {reason} ({error}). What helps without changing the batch: "
@@ -498,35 +493,24 @@ class TrainerGuardMixin(_TrainerBase):
         rows = batch_rows(inputs)
         while True:
             size = self.guard_eval_batch_size
-            error: str | None = None
-            try:
+            # an OOM of a batch that may be split is caught (see _guard_eval_splittable)
+            with CatchOom(when=lambda: self._guard_eval_splittable(inputs)) as caught:
                 if size is None or size >= rows:
                     return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
                 return self._guard_predict_chunks(
                     model, inputs, size, prediction_loss_only, ignore_keys
                 )
-            except Exception as exc:
-                if not is_oom(exc) or not self._guard_eval_splittable(inputs):
-                    raise
-                error = _first_line(exc)
-                _release(exc)
-            self._guard_free_memory()
-            current = min(size or rows, rows)
+            free_memory(self.args.device)
             step = self._guard_step_number()
-            event = {"type": "oom", "step": step, "phase": "eval", "micro_batch_size": current}
-            self._guard_emit({**event, "error": error})
-            if current <= 1:
-                self._guard_stop(step, "one row of eval does not fit", str(error))
-            self._guard_emit(
-                {
-                    "type": "backoff",
-                    "step": step,
-                    "phase": "eval",
-                    "from": current,
-                    "to": current // 2,
-                }
+            self.guard_eval_batch_size = back_off(
+                min(size or rows, rows),
+                rows,
+                str(caught.error),
+                emit=self._guard_emit,
+                stop=functools.partial(self._guard_stop, step, "one row of eval does not fit"),
+                step=step,
+                phase="eval",
             )
-            self.guard_eval_batch_size = current // 2
 
     def _guard_eval_splittable(self, inputs: Mapping[str, Any]) -> bool:
         """Whether an eval batch may be split (a loss over in-batch negatives may not)."""

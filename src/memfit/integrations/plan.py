@@ -21,20 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import NothingFitsError, UsageError
+from memfit.job import OPTIMIZER_TABLE, TASKS
 from memfit.units import format_bytes
 
-TASKS = ("classification", "causal-lm", "sentence-embedding")
-
-# TrainingArguments.optim → what memfit's estimator models
-_OPTIMIZERS = {
-    "sgd": "sgd",
-    "adafactor": "adafactor",
-    "adamw_bnb_8bit": "adamw-8bit",
-    "adamw_8bit": "adamw-8bit",
-    "paged_adamw_8bit": "adamw-8bit",
-}
-# memfit's optimizer levers → TrainingArguments.optim
-_OPTIM_VALUES = {"adamw-8bit": "adamw_bnb_8bit", "adafactor": "adafactor"}
+# TrainingArguments.optim → the memfit optimizer it is (any other value: AdamW)
+_OPTIMIZERS = {hf: o.name for o in OPTIMIZER_TABLE.values() for hf in o.hf_names}
+# memfit's optimizers → the TrainingArguments.optim memfit writes
+_OPTIM_VALUES = {o.name: o.hf_names[0] for o in OPTIMIZER_TABLE.values() if o.hf_names}
 
 
 @dataclass
@@ -128,6 +121,35 @@ def _guess_task(model: Any, reference: str) -> str | None:
     return None
 
 
+def _wanted(
+    args: Any, settings: dict[str, Any], base_optimizer: str, per_rank: int
+) -> dict[str, Any]:
+    """The ``TrainingArguments`` fields the plan's ``settings`` set (``per_rank``: samples per
+    device per optimizer step)."""
+    wanted: dict[str, Any] = {
+        "per_device_train_batch_size": settings["micro_batch_size"],
+        "gradient_accumulation_steps": settings["gradient_accumulation_steps"],
+        "bf16": settings["precision"] == "bf16",
+        "fp16": settings["precision"] == "fp16",
+    }
+    # transformers 5.2x renamed gradient_checkpointing (now a deprecated alias, overwritten by the
+    # new name when the arguments are copied) to activation_checkpointing
+    names = {f.name for f in dataclasses.fields(args)}
+    checkpointing = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    wanted[checkpointing] = bool(settings["gradient_checkpointing"])
+    if settings["optimizer"] != base_optimizer and settings["optimizer"] in _OPTIM_VALUES:
+        wanted["optim"] = _OPTIM_VALUES[settings["optimizer"]]
+    if settings.get("loss") == "cached-mnrl":
+        # GradCache takes the whole batch at once: no accumulation, the loss splits internally
+        wanted["per_device_train_batch_size"] = per_rank
+        wanted["gradient_accumulation_steps"] = 1
+    return wanted
+
+
 def apply_plan(
     args: Any,
     model: Any,
@@ -216,28 +238,8 @@ def apply_plan(
             f"configuration needs is {format_bytes(result.min_required_bytes)}). {hints}".strip()
         )
     settings = result.chosen.settings()
-    wanted: dict[str, Any] = {
-        "per_device_train_batch_size": settings["micro_batch_size"],
-        "gradient_accumulation_steps": settings["gradient_accumulation_steps"],
-        "bf16": settings["precision"] == "bf16",
-        "fp16": settings["precision"] == "fp16",
-    }
-    # transformers 5.2x renamed gradient_checkpointing (now a deprecated alias, overwritten by the
-    # new name when the arguments are copied) to activation_checkpointing
-    names = {f.name for f in dataclasses.fields(args)}
-    checkpointing = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in names
-        else "gradient_checkpointing"
-    )
-    wanted[checkpointing] = bool(settings["gradient_checkpointing"])
-    if settings["optimizer"] != base_optimizer and settings["optimizer"] in _OPTIM_VALUES:
-        wanted["optim"] = _OPTIM_VALUES[settings["optimizer"]]
+    wanted = _wanted(args, settings, base_optimizer, effective // world_size)
     mini_batch_size = settings.get("mini_batch_size")
-    if settings.get("loss") == "cached-mnrl":
-        # GradCache takes the whole batch at once: no accumulation, the loss splits internally
-        wanted["per_device_train_batch_size"] = effective // world_size
-        wanted["gradient_accumulation_steps"] = 1
     changes: dict[str, Any] = {}
     described: list[str] = []
     for name, value in wanted.items():

@@ -33,6 +33,7 @@ Eval: ``prediction_step`` is guarded for per-sample losses only; evaluators are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -43,6 +44,7 @@ import torch
 from sentence_transformers import SentenceTransformerTrainer
 from torch import nn
 
+from memfit.guard.policy import BackOff, back_off
 from memfit.integrations._batch import batch_rows
 from memfit.integrations._guard import MEAN, SUM, TrainerGuardMixin
 from memfit.integrations.plan import PlannedArguments
@@ -243,22 +245,17 @@ class GuardedSentenceTransformerTrainer(TrainerGuardMixin, SentenceTransformerTr
             )
         own = getattr(loss, "mini_batch_size", None) if name not in CACHED_VARIANTS else None
         size = min(self.guard_mini_batch_size or own or rows, rows)
-        self._guard_emit(
-            {
-                "type": "oom",
-                "step": step,
-                "micro_batch_size": rows,
-                "mini_batch_size": size,
-                "error": error,
-            }
+        reason = f"{name} with mini-batches of one row does not fit"
+        self.guard_mini_batch_size = back_off(
+            size,
+            rows,
+            error,
+            emit=self._guard_emit,
+            stop=functools.partial(self._guard_stop, step, reason),
+            step=step,
+            oom={"micro_batch_size": rows, "mini_batch_size": size},
+            backoff={"loss": f"cached {name}"},
         )
-        if size <= 1:
-            self._guard_stop(step, f"{name} with mini-batches of one row does not fit", error)
-        new = size // 2
-        self._guard_emit(
-            {"type": "backoff", "step": step, "from": size, "to": new, "loss": f"cached {name}"}
-        )
-        self.guard_mini_batch_size = new
 
     def _guard_grow(self) -> bool:
         size = self.guard_mini_batch_size
@@ -272,9 +269,9 @@ class GuardedSentenceTransformerTrainer(TrainerGuardMixin, SentenceTransformerTr
             ceiling = int(planned)
         elif isinstance(own, int) and type(self.loss).__name__ not in CACHED_VARIANTS:
             ceiling = own
-        if size >= ceiling:
+        new = BackOff.doubled(size, ceiling)
+        if new is None:
             return False
-        new = min(size * 2, ceiling)
         self._guard_emit(
             {"type": "grow", "step": self._guard_step_number(), "from": size, "to": new}
         )

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.devices.catalog import Gpu
+from memfit.job import OPTIMIZER_TABLE
 
 E_MAX = 0.6  # the share of peak FLOP/s large transformer matmuls reach
 T_HALF = 1024  # tokens per micro-batch at which half of E_MAX is reached
 LAUNCH_SECONDS_PER_LAYER = 0.25e-3  # kernel launches and Python per layer, forward + backward
 # bytes read and written per trainable parameter by one optimizer step (fp32 master weights):
 # AdamW reads weight, gradient, two moments and writes weight and moments
-OPTIMIZER_BYTES_PER_PARAMETER = {"adamw": 28, "adamw-8bit": 16, "adafactor": 16, "sgd": 12}
+OPTIMIZER_BYTES_PER_PARAMETER = {o.name: o.bytes_per_parameter for o in OPTIMIZER_TABLE.values()}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.devices.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.errors import UsageError
@@ -35,18 +35,29 @@ from memfit.estimate import depth, workload
 from memfit.estimate.api import estimate
 from memfit.estimate.prefetch import prefetch
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
+from memfit.job import (
+    CACHED_LOSSES,
+    IN_BATCH_NEGATIVE_LOSSES,
+    SWAP_OPTIMIZERS,
+    TRACE_DEPTHS,
+    Job,
+    choice_problem,
+    positions_problem,
+)
 from memfit.plan import cost
 from memfit.plan.data_profile import DataProfile
 from memfit.units import format_bytes, parse_size
 
+if TYPE_CHECKING:
+    from memfit.models import ModelSpec
+
 LEVERS = ("optimizer", "truncation", "lora")  # what --allow accepts, least harmful first
 LORA_RANK = 8
-SWAP_OPTIMIZERS = ("adamw-8bit", "adafactor")
 
 
 @dataclass(frozen=True)
-class Knobs:
-    """Everything but the micro-batch size."""
+class Levers:
+    """A candidate's levers: everything but the micro-batch size."""
 
     precision: str
     gradient_checkpointing: bool
@@ -68,7 +79,7 @@ class Knobs:
 class Candidate:
     """A configuration that was estimated."""
 
-    knobs: Knobs
+    knobs: Levers
     micro_batch_size: int
     gradient_accumulation_steps: int
     world_size: int
@@ -223,7 +234,9 @@ class Plan:
 
 # --- the search --------------------------------------------------------------------------------------
 @dataclass
-class _Job:
+class Search:
+    """One plan's search: the job's fixed settings, the budget, and the estimates made so far."""
+
     model: str
     task: str
     seq_len: int
@@ -241,14 +254,14 @@ class _Job:
     frugal_precision: str = "fp32"
     sharding: str = "none"
     trace_depth: str = "auto"
-    _estimates: dict[tuple[Knobs, int], int] = field(default_factory=dict)
-    _model_states: dict[tuple[Knobs, int], int] = field(default_factory=dict)
+    _estimates: dict[tuple[Levers, int], int] = field(default_factory=dict)
+    _model_states: dict[tuple[Levers, int], int] = field(default_factory=dict)
 
     @property
     def in_batch_negatives(self) -> bool:
-        return self.loss in workload.IN_BATCH_NEGATIVE_LOSSES
+        return self.loss in IN_BATCH_NEGATIVE_LOSSES
 
-    def estimate_kwargs(self, knobs: Knobs, micro: int) -> dict[str, Any]:
+    def estimate_kwargs(self, knobs: Levers, micro: int) -> dict[str, Any]:
         """The ``estimate`` arguments of these knobs at micro-batch (or mini-batch) ``micro``."""
         kwargs: dict[str, Any] = {}
         batch = micro
@@ -256,7 +269,7 @@ class _Job:
         if self.in_batch_negatives:
             batch = self.per_rank
             if micro < self.per_rank:
-                loss = workload.CACHED_LOSSES.get(self.loss, self.loss)
+                loss = CACHED_LOSSES.get(self.loss, self.loss)
                 kwargs["mini_batch_size"] = micro
             else:
                 loss = self.loss
@@ -282,7 +295,7 @@ class _Job:
             **({} if self.trace_depth == "auto" else {"trace_depth": self.trace_depth}),
         )
 
-    def peak(self, knobs: Knobs, micro: int) -> int:
+    def peak(self, knobs: Levers, micro: int) -> int:
         """Predicted peak for these knobs at micro-batch ``micro`` (mini-batch, for the cached loss)."""
         key = (knobs, micro)
         if key not in self._estimates:
@@ -291,16 +304,16 @@ class _Job:
             self._model_states[key] = result.details["model_state"]["total_bytes"]
         return self._estimates[key]
 
-    def model_state(self, knobs: Knobs, micro: int) -> int:
+    def model_state(self, knobs: Levers, micro: int) -> int:
         """Parameters, gradients and optimizer state on one rank (plus the scheme's buffers)."""
         self.peak(knobs, micro)
         return self._model_states[(knobs, micro)]
 
-    def candidate(self, knobs: Knobs, micro: int) -> Candidate:
+    def candidate(self, knobs: Levers, micro: int) -> Candidate:
         cached = self.in_batch_negatives and micro < self.per_rank
         if self.in_batch_negatives:
             micro_batch, accumulation = self.per_rank, 1
-            loss = workload.CACHED_LOSSES.get(self.loss, self.loss) if cached else self.loss
+            loss = CACHED_LOSSES.get(self.loss, self.loss) if cached else self.loss
             mini = micro if cached else None
         else:
             micro_batch, accumulation = micro, self.per_rank // micro
@@ -317,7 +330,7 @@ class _Job:
             sharding=self.sharding,
         )
 
-    def speed(self, knobs: Knobs, micro: int) -> float:
+    def speed(self, knobs: Levers, micro: int) -> float:
         cached = self.in_batch_negatives and micro < self.per_rank
         micro_batch = self.per_rank if self.in_batch_negatives else micro
         return cost.samples_per_second(
@@ -336,7 +349,7 @@ class _Job:
             mini_batch_size=micro if cached else None,
         )
 
-    def largest_fitting(self, knobs: Knobs, micros: Sequence[int]) -> int | None:
+    def largest_fitting(self, knobs: Levers, micros: Sequence[int]) -> int | None:
         """The largest micro-batch (of the sorted ``micros``) whose peak fits, by bisection."""
         lo, hi, best = 0, len(micros) - 1, None
         # try the largest first: it often fits, and then one estimate settles it
@@ -364,6 +377,34 @@ def _truncations(seq_len: int, profile: DataProfile | None) -> list[int]:
         raw = [seq_len * 3 // 4, seq_len // 2]
     out = sorted({max(8, -(-x // 8) * 8) for x in raw if x < seq_len}, reverse=True)
     return [x for x in out if x < seq_len]
+
+
+@dataclass(frozen=True)
+class Space:
+    """The lever values a plan may try: the pinned or the GPU's precisions, and the allowed
+    optimizers, truncations and LoRA ranks (the job's own values first)."""
+
+    precisions: tuple[str, ...]
+    optimizers: tuple[str, ...]
+    lengths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def combos(self) -> list[Levers]:
+        """Every combination of the levers, checkpointing off and on."""
+        return [
+            Levers(p, c, o, s, r)
+            for p in self.precisions
+            for c in (False, True)
+            for o in self.optimizers
+            for s in self.lengths
+            for r in self.ranks
+        ]
+
+    def frugal(self) -> list[Levers]:
+        """Every lever at its most frugal, for each precision and optimizer: the least
+        configurations (which is smallest depends on the model)."""
+        length, rank = min(self.lengths), max(self.ranks)
+        return [Levers(p, True, o, length, rank) for p in self.precisions for o in self.optimizers]
 
 
 def plan(
@@ -398,45 +439,128 @@ def plan(
     of this machine's GPU. Returns a :class:`Plan`; ``plan.fits`` is False (and ``plan.plan`` None)
     when nothing fits, with the least memory any configuration needs and suggestions.
     """
+    allowed = [a.strip().lower() for a in allow if a.strip()]
+    job = Job(
+        model=model,
+        task=task,
+        seq_len=seq_len,
+        effective_batch_size=effective_batch_size,
+        world_size=world_size,
+        num_labels=num_labels,
+        loss=loss,
+        precision=precision,
+        optimizer=optimizer,
+        sharding=sharding,
+        attn_implementation=attn_implementation,
+    )
+    model_spec, budget, card = _validate(
+        job,
+        allowed,
+        safety_margin=safety_margin,
+        gpu_memory=gpu_memory,
+        gpu=gpu,
+        trace_depth=trace_depth,
+    )
+    budget, card, gpu_name, notes = _resolve_budget(budget, card, precision)
+    resolved_loss = job.resolved_loss
+    if resolved_loss == "cached-mnrl":
+        resolved_loss = "mnrl"  # the plan decides whether to cache
+    spec = workload.StepSpec(task=task, num_labels=num_labels, loss=resolved_loss)
+    search = Search(
+        model=model,
+        task=task,
+        seq_len=seq_len,
+        per_rank=effective_batch_size // world_size,
+        world_size=world_size,
+        loss=resolved_loss,
+        num_labels=num_labels,
+        attn_implementation=attn_implementation,
+        base_optimizer=optimizer,
+        gpu=card,
+        gpu_name=gpu_name,
+        usable=int(budget * (1 - safety_margin)),
+        shape=cost.model_shape(model_spec.config, spec),
+        columns=2 if task == "sentence-embedding" else 1,
+        sharding=sharding,
+        trace_depth=trace_depth,
+    )
+    profile = (
+        data_profile
+        if isinstance(data_profile, DataProfile) or data_profile is None
+        else DataProfile(tuple(int(x) for x in data_profile), source="data_profile")
+    )
+    space = _space(card, precision, optimizer, allowed, seq_len, profile)
+    if trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None:
+        _prefetch(search, space)
+    chosen, evaluated, min_required = _search(search, space)
+    result = Plan(
+        fits=chosen is not None,
+        budget_bytes=budget,
+        predicted_peak_bytes=None if chosen is None else chosen.predicted_peak_bytes,
+        min_required_bytes=min_required,
+        chosen=chosen,
+        alternatives=[],
+        explanation=[],
+        suggestions=[],
+        model=model,
+        task=task,
+        seq_len=seq_len,
+        effective_batch_size=effective_batch_size,
+        num_labels=num_labels,
+        gpu=gpu_name,
+        safety_margin=safety_margin,
+        world_size=world_size,
+        sharding=sharding,
+        loss=loss if task == "sentence-embedding" else None,
+        allow=tuple(allowed),
+        pinned_precision=precision,
+        base_optimizer=optimizer,
+        attn_implementation=attn_implementation,
+    )
+    _conclude(result, search, space, evaluated, profile, notes)
+    return result
+
+
+def _space(
+    card: Gpu,
+    precision: str | None,
+    optimizer: str,
+    allowed: Sequence[str],
+    seq_len: int,
+    profile: DataProfile | None,
+) -> Space:
+    """The levers the plan may try: the pinned precision or the GPU's mixed one and fp32, and
+    only the allowed swaps, truncations and LoRA beside the job's own values."""
+    return Space(
+        precisions=(precision,) if precision else (card.mixed_precision(), "fp32"),
+        optimizers=(optimizer,)
+        + (tuple(o for o in SWAP_OPTIMIZERS if o != optimizer) if "optimizer" in allowed else ()),
+        lengths=(seq_len,)
+        + (tuple(_truncations(seq_len, profile)) if "truncation" in allowed else ()),
+        ranks=(0,) + ((LORA_RANK,) if "lora" in allowed else ()),
+    )
+
+
+def _validate(
+    job: Job,
+    allowed: Sequence[str],
+    *,
+    safety_margin: float,
+    gpu_memory: int | str | None,
+    gpu: str | None,
+    trace_depth: str,
+) -> tuple[ModelSpec, int | None, Gpu | None]:
+    """Every problem with the input at once, as one :class:`UsageError`: the job's knobs
+    (:meth:`memfit.job.Job.problems`), then the plan's own (margin, levers, budget, GPU, model,
+    trace depth). Returns the model, the ``--gpu-memory`` budget and the ``--gpu`` card."""
     from memfit.models import resolve_model
 
-    problems: list[str] = []
-
-    def whole(flag: str, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{flag}: must be a whole number ≥ 1, got {value!r}")
-            return False
-        return True
-
-    whole("--seq-len", seq_len)
-    whole("--effective-batch-size", effective_batch_size)
-    whole("--world-size", world_size)
-    whole("--num-labels", num_labels)
+    problems = job.problems()
     if not isinstance(safety_margin, int | float) or not 0 <= safety_margin < 1:
         problems.append(f"--safety-margin: must be in [0, 1), got {safety_margin!r}")
-    allowed = [a.strip().lower() for a in allow if a.strip()]
     for lever in allowed:
         if lever not in LEVERS:
             problems.append(f"--allow: unknown lever {lever!r}; choose from {', '.join(LEVERS)}")
-    if precision is not None and precision not in workload.PRECISIONS:
-        problems.append(
-            f"--precision: unknown value {precision!r}; choose one of {', '.join(workload.PRECISIONS)}"
-        )
-    if task not in workload.TASKS:
-        problems.append(
-            f"--task: unknown value {task!r}; choose one of {', '.join(workload.TASKS)}"
-        )
-    if optimizer not in workload.OPTIMIZERS:
-        problems.append(
-            f"--optimizer: unknown value {optimizer!r}; choose one of {', '.join(workload.OPTIMIZERS)}"
-        )
-    if sharding not in SCHEMES:
-        problems.append(
-            f"--sharding: unknown value {sharding!r}; choose one of {', '.join(SCHEMES)}"
-        )
-    resolved_loss = workload.resolve_loss(task, loss, problems)
-    if resolved_loss == "cached-mnrl":
-        resolved_loss = "mnrl"  # the plan decides whether to cache
     budget: int | None = None
     if gpu_memory is not None:
         try:
@@ -446,7 +570,6 @@ def plan(
         except UsageError as exc:
             problems.append(str(exc))
     card: Gpu | None = None
-    notes: list[str] = []
     if gpu is not None:
         try:
             card = find_gpu(gpu)
@@ -454,31 +577,27 @@ def plan(
             problems.append(str(exc))
     model_spec = None
     try:
-        model_spec = resolve_model(model)
+        model_spec = resolve_model(job.model)
     except UsageError as exc:
         problems.append(str(exc))
-    if model_spec is not None and isinstance(seq_len, int) and seq_len > model_spec.max_positions:
-        problems.append(
-            f"--seq-len: {seq_len} is beyond the {model_spec.max_positions} positions "
-            f"{model_spec.name} can use; use --seq-len {model_spec.max_positions} or less"
-        )
-    if (
-        isinstance(effective_batch_size, int)
-        and isinstance(world_size, int)
-        and world_size >= 1
-        and effective_batch_size >= 1
-        and effective_batch_size % world_size
-    ):
-        problems.append(
-            f"--effective-batch-size: {effective_batch_size} does not split evenly over "
-            f"--world-size {world_size}"
-        )
-    if trace_depth not in ("auto", "full"):
-        problems.append(f"--trace-depth: unknown value {trace_depth!r}; choose one of auto, full")
+    late: list[str | None] = [choice_problem("--trace-depth", trace_depth, TRACE_DEPTHS)]
+    if model_spec is not None:
+        positions = model_spec.max_positions
+        late.insert(0, positions_problem("--seq-len", job.seq_len, positions, model_spec.name))
+    problems += [p for p in late if p]
     if problems:
         raise UsageError("; ".join(problems))
     assert model_spec is not None
+    return model_spec, budget, card
 
+
+def _resolve_budget(
+    budget: int | None, card: Gpu | None, precision: str | None
+) -> tuple[int, Gpu, str | None, list[str]]:
+    """The budget, the GPU the throughput is ranked on, its catalog id (None: generic) and a
+    note saying where the budget came from: ``--gpu-memory``, else the ``--gpu`` card's memory,
+    else the free memory of this machine's GPU."""
+    notes: list[str] = []
     gpu_name: str | None = None
     if card is not None:
         gpu_name = card.id
@@ -505,370 +624,117 @@ def plan(
             "Only --gpu-memory was given: assumed a GPU with bf16 and A100-class speed "
             "for the throughput ranking (give --gpu NAME to be exact)."
         )
-    assert budget is not None
     if precision == "bf16" and not card.bf16:
         raise UsageError(f"--precision: the {card.name} has no bf16; use fp16 or fp32")
+    return budget, card, gpu_name, notes
 
-    usable = int(budget * (1 - safety_margin))
-    per_rank = effective_batch_size // world_size
-    spec = workload.StepSpec(task=task, num_labels=num_labels, loss=resolved_loss)
-    job = _Job(
-        model=model,
-        task=task,
-        seq_len=seq_len,
-        per_rank=per_rank,
-        world_size=world_size,
-        loss=resolved_loss,
-        num_labels=num_labels,
-        attn_implementation=attn_implementation,
-        base_optimizer=optimizer,
-        gpu=card,
-        gpu_name=gpu_name,
-        usable=usable,
-        shape=cost.model_shape(model_spec.config, spec),
-        columns=2 if task == "sentence-embedding" else 1,
-        sharding=sharding,
-        trace_depth=trace_depth,
-    )
-    profile = (
-        data_profile
-        if isinstance(data_profile, DataProfile) or data_profile is None
-        else DataProfile(tuple(int(x) for x in data_profile), source="data_profile")
-    )
-    precisions = [precision] if precision else [card.mixed_precision(), "fp32"]
-    optimizers = [optimizer] + (
-        [o for o in SWAP_OPTIMIZERS if o != optimizer] if "optimizer" in allowed else []
-    )
-    lengths = [seq_len] + (_truncations(seq_len, profile) if "truncation" in allowed else [])
-    ranks = [0] + ([LORA_RANK] if "lora" in allowed else [])
-    combos = [
-        Knobs(p, c, o, s, r)
-        for p in precisions
-        for c in (False, True)
-        for o in optimizers
-        for s in lengths
-        for r in ranks
+
+def _prefetch(search: Search, space: Space) -> None:
+    """Trace the knob sets the search starts with, and those of the least-memory check (at
+    micro-batch 1, which has its own trace), side by side, one worker per knob set.
+
+    Only whole-model traces are worth it: they take long enough to pay for a worker process
+    each; shallow ones (a few seconds) cost less than a worker's start (importing torch and
+    transformers).
+    """
+    frugal = set(space.frugal())
+    first = [
+        k
+        for k in space.combos()
+        if k.tier(search.base_optimizer, search.seq_len) == 0 and k not in frugal
     ]
-    micros = _divisors(per_rank)
-    # the knob sets the search starts with, and those of the least-memory check (at micro-batch
-    # 1, which has its own trace), are traced side by side, one worker per knob set
-    frugal = {Knobs(p, True, o, min(lengths), max(ranks)) for p in precisions for o in optimizers}
-    first = [k for k in combos if k.tier(optimizer, seq_len) == 0 and k not in frugal]
-    if trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None:
-        # whole-model traces take long enough to be worth a worker process each; shallow ones
-        # (a few seconds) cost less than a worker's start (importing torch and transformers)
-        prefetch(
-            model,
-            [job.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
-            + [job.estimate_kwargs(k, per_rank) for k in first],
-        )
+    prefetch(
+        search.model,
+        [search.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
+        + [search.estimate_kwargs(k, search.per_rank) for k in first],
+    )
 
-    chosen: Candidate | None = None
+
+def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candidate], int]:
+    """The fastest configuration of the least harmful tier that fits (None: nothing fits), every
+    configuration estimated on the way, and the least memory any allowed configuration needs."""
+    base, seq_len, per_rank = search.base_optimizer, search.seq_len, search.per_rank
+    combos = space.combos()
+    micros = _divisors(per_rank)
     evaluated: list[Candidate] = []
-    skipped: list[Knobs] = []
     # the least any allowed configuration needs: when even that is over, skip the search
-    min_required, _ = _min_required(job, precisions, optimizers, lengths, ranks)
-    for tier in range(4 if min_required <= usable else 0):
-        tier_combos = [k for k in combos if k.tier(optimizer, seq_len) == tier]
+    min_required, _ = _min_required(search, space)
+    for tier in range(4 if min_required <= search.usable else 0):
+        tier_combos = [k for k in combos if k.tier(base, seq_len) == tier]
         # most promising first: the throughput each could reach with the whole batch at once
-        tier_combos.sort(key=lambda k: -job.speed(k, per_rank))
+        tier_combos.sort(key=lambda k: -search.speed(k, per_rank))
         for knobs in tier_combos:
             best_here = max(
-                (c for c in evaluated if c.knobs.tier(optimizer, seq_len) == tier),
+                (c for c in evaluated if c.knobs.tier(base, seq_len) == tier),
                 key=lambda c: c.predicted_samples_per_second,
                 default=None,
             )
             if (
                 best_here is not None
-                and job.speed(knobs, per_rank) <= best_here.predicted_samples_per_second
+                and search.speed(knobs, per_rank) <= best_here.predicted_samples_per_second
             ):
-                skipped.append(knobs)
                 continue
-            micro = job.largest_fitting(knobs, micros)
+            micro = search.largest_fitting(knobs, micros)
             if micro is not None:
-                evaluated.append(job.candidate(knobs, micro))
-        fitting = [c for c in evaluated if c.knobs.tier(optimizer, seq_len) == tier]
+                evaluated.append(search.candidate(knobs, micro))
+        fitting = [c for c in evaluated if c.knobs.tier(base, seq_len) == tier]
         if fitting:
-            chosen = max(fitting, key=lambda c: c.predicted_samples_per_second)
-            break
+            return (
+                max(fitting, key=lambda c: c.predicted_samples_per_second),
+                evaluated,
+                min_required,
+            )
+    return None, evaluated, min_required
 
-    result = Plan(
-        fits=chosen is not None,
-        budget_bytes=budget,
-        predicted_peak_bytes=None if chosen is None else chosen.predicted_peak_bytes,
-        min_required_bytes=0,
-        chosen=chosen,
-        alternatives=[],
-        explanation=[],
-        suggestions=[],
-        model=model,
-        task=task,
-        seq_len=seq_len,
-        effective_batch_size=effective_batch_size,
-        num_labels=num_labels,
-        gpu=gpu_name,
-        safety_margin=safety_margin,
-        world_size=world_size,
-        sharding=sharding,
-        loss=loss if task == "sentence-embedding" else None,
-        allow=tuple(allowed),
-        pinned_precision=precision,
-        base_optimizer=optimizer,
-        attn_implementation=attn_implementation,
-    )
-    result.min_required_bytes = min_required
+
+def _conclude(
+    result: Plan,
+    search: Search,
+    space: Space,
+    evaluated: Sequence[Candidate],
+    profile: DataProfile | None,
+    notes: Sequence[str],
+) -> None:
+    """Fill in ``result``'s alternatives, data, explanation, and (nothing fits) the scale-out
+    prices and suggestions."""
+    # the explanations read this module's types; this module reads them only here
+    from memfit.plan.explain import explain, suggest
+
+    chosen = result.chosen
     result.alternatives = sorted(
         (c for c in evaluated if c is not chosen),
-        key=lambda c: (c.knobs.tier(optimizer, seq_len), -c.predicted_samples_per_second),
+        key=lambda c: (
+            c.knobs.tier(search.base_optimizer, search.seq_len),
+            -c.predicted_samples_per_second,
+        ),
     )[:5]
     if profile is not None:
         result.data = {"source": profile.source, "samples": len(profile.lengths)}
-    result.explanation = notes + _explain(job, result, profile, allowed)
+    result.explanation = list(notes) + explain(search, result, profile)
     if chosen is None:
-        result.scale_out = _scale_out(job, precisions, optimizers, lengths, ranks)
-        result.suggestions = _suggest(job, result, allowed, precisions, optimizers, lengths, ranks)
-    return result
+        result.scale_out = _scale_out(search, space)
+        result.suggestions = suggest(search, result, space)
 
 
-def _min_required(
-    job: _Job,
-    precisions: Sequence[str],
-    optimizers: Sequence[str],
-    lengths: Sequence[int],
-    ranks: Sequence[int],
-) -> tuple[int, str]:
+def _min_required(search: Search, space: Space) -> tuple[int, str]:
     """The least memory any allowed configuration needs, and the precision that needs it: every
     lever at its most frugal, the smallest micro-batch, each precision and optimizer tried (which
     is smaller depends on the model: mixed precision halves activations but adds a half-precision
     copy of the weights)."""
-    need, precision = min(
-        (job.peak(Knobs(p, True, o, min(lengths), max(ranks)), 1), p)
-        for p in precisions
-        for o in optimizers
-    )
-    job.frugal_precision = precision
+    need, precision = min((search.peak(k, 1), k.precision) for k in space.frugal())
+    search.frugal_precision = precision
     return need, precision
-
-
-def _gib(n: float) -> str:
-    return format_bytes(int(n))
-
-
-def _explain(
-    job: _Job, result: Plan, profile: DataProfile | None, allowed: Sequence[str]
-) -> list[str]:
-    lines: list[str] = []
-    usable = job.usable
-    c = result.chosen
-    if c is None:
-        lines.append(
-            f"Nothing fits in {_gib(usable)} ({_gib(result.budget_bytes)} less the safety margin): "
-            f"the least any allowed configuration needs is {_gib(result.min_required_bytes)}."
-        )
-        return lines
-    k = c.knobs
-    if job.in_batch_negatives:
-        if c.mini_batch_size:
-            lines.append(
-                f"{c.loss} with mini-batch {c.mini_batch_size}: the whole batch of {c.micro_batch_size} "
-                f"per GPU is one step, embedded {c.mini_batch_size} rows at a time: "
-                f"{_gib(c.predicted_peak_bytes)} of {_gib(result.budget_bytes)}."
-            )
-            lines.append(
-                f"{job.loss} compares every sample with the rest of its batch, so gradient "
-                "accumulation would shrink the batch each comparison sees and change the objective; "
-                "the cached (GradCache) loss keeps the full batch at one mini-batch's memory, for "
-                "one more forward pass."
-            )
-        else:
-            lines.append(
-                f"The whole batch of {c.micro_batch_size} per GPU fits at once: "
-                f"{_gib(c.predicted_peak_bytes)} of {_gib(result.budget_bytes)}."
-            )
-    else:
-        lines.append(
-            f"micro-batch {c.micro_batch_size} × accumulate {c.gradient_accumulation_steps}"
-            + (f" × {c.world_size} GPUs" if c.world_size > 1 else "")
-            + f" = {job.per_rank * job.world_size}: {_gib(c.predicted_peak_bytes)} of "
-            f"{_gib(result.budget_bytes)} ({_gib(usable)} after the {result.safety_margin:.0%} margin)."
-        )
-    micro = c.mini_batch_size or c.micro_batch_size
-    if job.sharding != "none":
-        lines.append(
-            f"--sharding {job.sharding} over {job.world_size} GPU"
-            + ("s" if job.world_size > 1 else "")
-            + f": each holds {_gib(job.model_state(k, micro))} of parameters, gradients and "
-            "optimizer state (with the scheme's own buffers); "
-            + (
-                _SCHEME_WORDS[job.sharding]
-                if job.world_size > 1
-                else "on one GPU it divides nothing and only adds its buffers"
-            )
-            + ". The throughput counts compute only."
-        )
-    elif job.world_size > 1:
-        lines.append(
-            f"Data parallelism over {job.world_size} GPUs: each holds the whole model, its "
-            f"gradients and optimizer state ({_gib(job.model_state(k, micro))}); gradients are "
-            "all-reduced in place after the step's micro-batches."
-        )
-    per_rank = job.per_rank
-    larger = [m for m in _divisors(per_rank) if m > (c.mini_batch_size or c.micro_batch_size)]
-    if larger and not (job.in_batch_negatives and not c.mini_batch_size):
-        nxt = larger[0]
-        peak = job.peak(k, nxt)
-        lines.append(
-            f"The next larger {'mini' if job.in_batch_negatives else 'micro'}-batch, {nxt}, "
-            f"would need {_gib(peak)}: over the budget."
-        )
-    base = job.speed(k, c.mini_batch_size or c.micro_batch_size)
-    if k.precision != "fp32":
-        fp32 = job.speed(
-            dataclasses.replace(k, precision="fp32"), c.mini_batch_size or c.micro_batch_size
-        )
-        lines.append(
-            f"{k.precision} mixed precision (fp32 master weights"
-            + (", loss scaling" if k.precision == "fp16" else "")
-            + f"): about {base / fp32:.1f}× the throughput of fp32 on the {job.gpu.name}."
-        )
-    if k.gradient_checkpointing:
-        no_ckpt = [
-            e
-            for e in result.alternatives
-            if e.knobs == dataclasses.replace(k, gradient_checkpointing=False)
-        ]
-        if no_ckpt:
-            alt = no_ckpt[0]
-            lines.append(
-                f"Gradient checkpointing is on: it lets micro-batch {c.mini_batch_size or c.micro_batch_size} fit and "
-                f"recomputes the forward (about a third more compute), which still beats micro-batch "
-                f"{alt.mini_batch_size or alt.micro_batch_size} without it "
-                f"({c.predicted_samples_per_second:.1f} vs {alt.predicted_samples_per_second:.1f} samples/s)."
-            )
-        else:
-            lines.append(
-                "Gradient checkpointing is on: without it not even the smallest micro-batch fits."
-            )
-    else:
-        with_ckpt = job.speed(
-            dataclasses.replace(k, gradient_checkpointing=True),
-            c.mini_batch_size or c.micro_batch_size,
-        )
-        lines.append(
-            f"Checkpointing not needed; at this micro-batch it would cost "
-            f"{(1 - with_ckpt / base) * 100:.0f} % throughput."
-        )
-    if k.optimizer != job.base_optimizer:
-        lines.append(
-            f"Optimizer {k.optimizer} instead of {job.base_optimizer} (allowed): its state is smaller; "
-            "updates differ slightly from full-precision AdamW."
-        )
-    if k.max_seq_len < job.seq_len:
-        if profile is not None:
-            lost = profile.tokens_lost(k.max_seq_len, job.seq_len)
-            share = profile.samples_truncated(k.max_seq_len)
-            lines.append(
-                f"Truncation to {k.max_seq_len} tokens (allowed) cuts {lost:.1%} of the training "
-                f"tokens and shortens {share:.1%} of the samples (from {profile.source})."
-            )
-        else:
-            lines.append(
-                f"Truncation to {k.max_seq_len} tokens (allowed): give --train-file to learn how "
-                "many tokens it cuts."
-            )
-    if k.lora_rank:
-        lines.append(
-            f"LoRA rank {k.lora_rank} (allowed): only the adapters"
-            + (" and the head" if job.task == "classification" else "")
-            + " train; the base model stays frozen."
-        )
-    lines.append(
-        f"Predicted throughput {c.predicted_samples_per_second:.1f} samples/s "
-        f"(cost model: 6·params·tokens FLOPs plus recompute, on the {job.gpu.name}'s "
-        f"{job.gpu.flops_per_second(k.precision) / 1e12:.0f} TFLOP/s {k.precision} peak)."
-    )
-    command = result.estimate_command()
-    if command:
-        lines.append(f"Re-check: {command}")
-    return lines
-
-
-def _suggest(
-    job: _Job,
-    result: Plan,
-    allowed: Sequence[str],
-    precisions: Sequence[str],
-    optimizers: Sequence[str],
-    lengths: Sequence[int],
-    ranks: Sequence[int],
-) -> list[str]:
-    out: list[str] = []
-    need = result.min_required_bytes
-    margin = result.safety_margin
-    bigger = [
-        g
-        for g in catalog().values()
-        if g.memory_bytes * (1 - margin) >= need and g.memory_bytes > result.budget_bytes
-    ]
-    if bigger:
-        g = bigger[0]
-        out.append(
-            f"A GPU with more memory: the {g.name} ({format_bytes(g.memory_bytes)}, --gpu {g.id}) "
-            f"holds the least configuration, {format_bytes(need)}."
-        )
-    else:
-        out.append(f"No GPU in the catalog holds {format_bytes(need)} on its own.")
-    out.extend(_scale_out_lines(job, result))
-    if job.in_batch_negatives:
-        out.append(
-            "More GPUs (--world-size) split the batch, but each GPU then sees fewer in-batch "
-            "negatives unless embeddings are gathered across GPUs."
-        )
-
-    def least(optimizer_names: Sequence[str], length: int, rank: int) -> str:
-        # at the precision that needed least without the lever (one trace per lever, not two)
-        need = min(
-            job.peak(Knobs(job.frugal_precision, True, o, length, rank), 1) for o in optimizer_names
-        )
-        verdict = "fits" if need <= job.usable else "still over"
-        return f"{format_bytes(need)} ({verdict})"
-
-    if "optimizer" not in allowed:
-        out.append(
-            "--allow optimizer (Adafactor or 8-bit AdamW): the least configuration would need "
-            + least(["adafactor"], min(lengths), max(ranks))
-            + "."
-        )
-    if "lora" not in allowed:
-        out.append(
-            f"--allow lora (rank {LORA_RANK} adapters, base frozen): the least configuration "
-            "would need " + least(optimizers, min(lengths), LORA_RANK) + "."
-        )
-    if "truncation" not in allowed:
-        short = max(8, job.seq_len // 2 // 8 * 8)
-        if short < job.seq_len:
-            out.append(
-                f"--allow truncation (e.g. to {short} tokens): the least configuration would "
-                "need " + least(optimizers, short, max(ranks)) + "."
-            )
-    return out
 
 
 SCALE_OUT_STEPS = 3  # world sizes priced beyond the one asked: ×2, ×4, ×8
 
 
-def _scale_out(
-    job: _Job,
-    precisions: Sequence[str],
-    optimizers: Sequence[str],
-    lengths: Sequence[int],
-    ranks: Sequence[int],
-) -> list[dict[str, Any]]:
+def _scale_out(job: Search, space: Space) -> list[dict[str, Any]]:
     """The least configuration's memory per GPU on more GPUs and with each sharding scheme.
 
     World sizes: the one asked (other schemes; not when it is one GPU) and 2×, 4×, 8× it, those
-    that divide the effective batch. The least configuration is the one ``min_required_bytes`` prices (micro-batch 1,
-    checkpointing, every allowed lever), at each precision and optimizer; sharding is a replay of
+    that divide the effective batch. The least configuration is the one ``min_required_bytes``
+    prices (micro-batch 1, checkpointing, every allowed lever), at each precision and optimizer; sharding is a replay of
     the same traces, so this costs milliseconds per entry.
     """
     effective = job.per_rank * job.world_size
@@ -891,9 +757,7 @@ def _scale_out(
                 _model_states={},
             )
             need, knobs = min(
-                (other.peak(Knobs(p, True, o, min(lengths), max(ranks)), 1), p + "/" + o)
-                for p in precisions
-                for o in optimizers
+                (other.peak(k, 1), k.precision + "/" + k.optimizer) for k in space.frugal()
             )
             rows.append(
                 {
@@ -906,53 +770,3 @@ def _scale_out(
                 }
             )
     return rows
-
-
-def _scale_out_lines(job: _Job, result: Plan) -> list[str]:
-    """Scale-out suggestions with their numbers: per world size, each scheme's least memory."""
-    rows = result.scale_out
-    if not rows:
-        return [
-            "More GPUs: the effective batch does not split evenly over 2, 4 or 8 times the "
-            "GPUs; choose an effective batch size they divide to price scaling out."
-        ]
-    lines = []
-    for world in sorted({r["world_size"] for r in rows}):
-        parts = [
-            f"{r['sharding']} {format_bytes(r['predicted_peak_bytes'])}"
-            + (" (fits)" if r["fits"] else "")
-            for r in rows
-            if r["world_size"] == world
-        ]
-        lines.append(
-            f"On {world} GPUs the least configuration needs per GPU: " + ", ".join(parts) + "."
-        )
-    fitting = [r for r in rows if r["fits"]]
-    if fitting:
-        best = min(fitting, key=lambda r: (r["world_size"], SCHEME_ORDER[r["sharding"]]))
-        lines.append(
-            f"Fewest GPUs that fit: {best['world_size']} with --sharding {best['sharding']} "
-            f"({format_bytes(best['predicted_peak_bytes'])} per GPU; "
-            + (
-                "plain data parallelism, a smaller batch per GPU"
-                if best["sharding"] == "none"
-                else _SCHEME_WORDS[best["sharding"]]
-            )
-            + f"): {result.plan_command(best['world_size'], best['sharding'])}"
-        )
-    else:
-        largest = max(r["world_size"] for r in rows)
-        lines.append(f"Not even {largest} GPUs with any sharding hold the least configuration.")
-    return lines
-
-
-_SCHEME_WORDS = {
-    "fsdp": "PyTorch FSDP shards parameters, gradients and optimizer state, and gathers each "
-    "block's parameters again in backward; memfit train runs it",
-    "zero1": "DeepSpeed ZeRO-1 shards the optimizer state; it needs DeepSpeed, which memfit "
-    "train does not run yet",
-    "zero2": "DeepSpeed ZeRO-2 shards optimizer state and gradients; it needs DeepSpeed, which "
-    "memfit train does not run yet",
-    "zero3": "DeepSpeed ZeRO-3 shards parameters, gradients and optimizer state; it needs "
-    "DeepSpeed, which memfit train does not run yet",
-}

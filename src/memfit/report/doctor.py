@@ -1,237 +1,24 @@
-"""``memfit doctor``: read an out-of-memory message, say what happened and what to change.
+"""``memfit doctor``: say what happened in an out-of-memory error and what to change.
 
-The messages come from PyTorch's allocators, in every form they have taken:
-
-* ``cuda-new`` (PyTorch ≥ 2.1, c10/cuda/CUDACachingAllocator.cpp): "CUDA out of memory. Tried to
-  allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB of which 1.06 GiB is free. Including
-  non-PyTorch memory, this process has 14.69 GiB memory in use. Of the allocated memory 10.25 GiB
-  is allocated by PyTorch, and 4.02 GiB is reserved by PyTorch but unallocated. …" (2.1 spelled
-  "capacty"; "Process 1234 has X memory in use." appears once per process when the driver can
-  tell them apart).
-* ``cuda-old`` (PyTorch 1.x, 2.0): "CUDA out of memory. Tried to allocate 256.00 MiB (GPU 0;
-  11.17 GiB total capacity; 10.21 GiB already allocated; 117.81 MiB free; 10.45 GiB reserved in
-  total by PyTorch)" — before 1.4 the last field was "X cached"; with a memory fraction set there
-  is an "X allowed;" field too.
-* ``cuda-bare``: "CUDA error: out of memory" (the CUDA runtime itself failed, e.g. creating the
-  context or inside a library kernel: no numbers).
-* ``cpu`` (c10/core/impl/alloc_cpu.cpp): "DefaultCPUAllocator: can't allocate memory: you tried
-  to allocate N bytes. Error code 12 (Cannot allocate memory)"; on Windows "DefaultCPUAllocator:
-  not enough memory: you tried to allocate N bytes."
-* ``mps`` (aten/src/ATen/mps/MPSAllocator.mm): "MPS backend out of memory (MPS allocated: X,
-  other allocations: Y, max allowed: Z). Tried to allocate W on private pool."
-* ``memfit-cap``: memfit's own CPU memory cap (:mod:`memfit.guard.cap`): "memfit memory cap:
-  tried to hold X, the cap is Y (…)".
-
-Units: PyTorch formats sizes by dividing by powers of 1024 and printing two decimals, so "MiB" and
-"GiB" are 2^20 and 2^30 — and so are the "KB"/"MB"/"GB" of the MPS allocator, whose
-``format_size`` divides by 1024 too but writes the decimal names. Every unit here is binary. A
-printed value is turned into bytes as ``int(round(value * unit))``: the message keeps two decimals,
-so the result is within half a hundredth of the unit of what the allocator saw.
+The message is read by :mod:`memfit.report.oom_message` (every form PyTorch's allocators have
+printed); this module explains its numbers, prices each fix with the estimate of the failed job,
+and reads the job from a run folder when there is one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.job import OPTIMIZER_TABLE, SWAP_OPTIMIZERS, Job
 from memfit.report.events import agreed_events
+from memfit.report.oom_message import KIND_TITLES, OomReport, parse_oom
 from memfit.units import format_bytes
-
-# every unit of PyTorch's OOM messages is binary (see the module docstring)
-_UNITS = {
-    "b": 1,
-    "byte": 1,
-    "bytes": 1,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
-}
-_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
-
-# where a message starts; the last one in the text is the one diagnosed
-_ANCHORS = re.compile(
-    r"CUDA out of memory"
-    r"|CUDA error: out of memory"
-    r"|MPS backend out of memory"
-    r"|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
-    r"|memfit memory cap:",
-    re.IGNORECASE,
-)
-# a message ends before a blank line or a new traceback (wrapped lines are joined)
-_END = re.compile(r"\n\s*\n|Traceback \(most recent call last\)")
-_MAX_MESSAGE_CHARS = 2000
-
-KINDS = ("cuda-new", "cuda-old", "cuda-bare", "cpu", "mps", "memfit-cap", "unknown")
-_KIND_TITLES = {
-    "cuda-new": "CUDA out of memory (PyTorch ≥ 2.1 message)",
-    "cuda-old": "CUDA out of memory (PyTorch 1.x / 2.0 message)",
-    "cuda-bare": "CUDA error: out of memory (the CUDA runtime, not PyTorch's allocator)",
-    "cpu": "CPU out of memory (PyTorch's DefaultCPUAllocator)",
-    "mps": "MPS (Apple GPU) out of memory",
-    "memfit-cap": "memfit's CPU memory cap was reached (a simulated out of memory)",
-    "unknown": "out of memory (a message memfit does not know how to read)",
-}
-_NUMERIC_KEYS = (
-    "requested_bytes",
-    "capacity_bytes",
-    "free_bytes",
-    "allocated_bytes",
-    "reserved_bytes",
-    "reserved_unallocated_bytes",
-)
-
-
-def parse_size_text(number: str, unit: str) -> int:
-    """``("10.21", "GiB")`` → bytes, rounded to the nearest byte."""
-    return round(float(number) * _UNITS[unit.lower()])
-
-
-def _size(pattern: str, text: str) -> int | None:
-    """The size that ``pattern`` (with ``{SIZE}`` where the size is) finds in ``text``."""
-    match = re.search(pattern.replace("{SIZE}", _SIZE), text, re.IGNORECASE)
-    return None if match is None else parse_size_text(match.group(1), match.group(2))
-
-
-@dataclass
-class OomReport:
-    """What one out-of-memory message says; ``None`` where it does not say.
-
-    ``derived`` names the fields computed from others (e.g. the new CUDA message gives allocated
-    and reserved-but-unallocated, and reserved is their sum), not read off the message.
-    """
-
-    kind: str
-    message: str
-    gpu: int | None = None
-    requested_bytes: int | None = None
-    capacity_bytes: int | None = None
-    free_bytes: int | None = None
-    allocated_bytes: int | None = None
-    reserved_bytes: int | None = None
-    reserved_unallocated_bytes: int | None = None
-    process_bytes: int | None = None  # "this process has X memory in use" (all of it, CUDA)
-    other_processes_bytes: int | None = None  # "Process N has X" lines beyond the first
-    other_bytes: int | None = None  # MPS "other allocations"
-    allowed_bytes: int | None = None  # a memory fraction's limit
-    derived: list[str] = field(default_factory=list)
-
-    def numbers(self) -> dict[str, int | None]:
-        return {key: getattr(self, key) for key in _NUMERIC_KEYS}
-
-
-def find_oom_message(text: str) -> str | None:
-    """The last out-of-memory message in ``text``, its wrapped lines joined; None if none."""
-    starts = [m.start() for m in _ANCHORS.finditer(text)]
-    if not starts:
-        return None
-    tail = text[starts[-1] :]
-    end = _END.search(tail)
-    if end is not None:
-        tail = tail[: end.start()]
-    return " ".join(tail[:_MAX_MESSAGE_CHARS].split())
-
-
-def parse_oom(text: str) -> OomReport | None:
-    """Parse the last out-of-memory message in ``text`` (a message, a log, a traceback).
-
-    Returns None when there is none. Numbers the message does not give stay None.
-    """
-    message = find_oom_message(text)
-    if message is None:
-        return None
-    lowered = message.lower()
-    if lowered.startswith("cuda out of memory"):
-        return _parse_cuda(message)
-    if lowered.startswith("cuda error: out of memory"):
-        return OomReport(kind="cuda-bare", message=message)
-    if lowered.startswith("mps backend"):
-        return _parse_mps(message)
-    if lowered.startswith("defaultcpuallocator"):
-        requested = _size(r"you tried to allocate {SIZE}", message)
-        if requested is None:  # the bare byte count, without a unit word
-            match = re.search(r"you tried to allocate (\d+)", message)
-            requested = int(match.group(1)) if match else None
-        return OomReport(kind="cpu", message=message, requested_bytes=requested)
-    return OomReport(
-        kind="memfit-cap",
-        message=message,
-        capacity_bytes=_size(r"the cap is {SIZE}", message),
-        # what the process would have held with the op's outputs: cap reached at this total
-        allocated_bytes=_size(r"tried to hold {SIZE}", message),
-    )
-
-
-def _parse_cuda(message: str) -> OomReport:
-    report = OomReport(kind="cuda-old", message=message)
-    report.requested_bytes = _size(r"Tried to allocate {SIZE}", message)
-    gpu = re.search(r"GPU (\d+)", message)
-    report.gpu = int(gpu.group(1)) if gpu else None
-    report.allowed_bytes = _size(r"{SIZE} allowed", message)
-    if re.search(r"has a total capac", message, re.IGNORECASE):
-        report.kind = "cuda-new"
-        report.capacity_bytes = _size(r"total capac\w* of {SIZE}", message)
-        report.free_bytes = _size(r"of which {SIZE} is free", message)
-        report.allocated_bytes = _size(r"Of the allocated memory {SIZE} is allocated", message)
-        report.reserved_unallocated_bytes = _size(
-            r"{SIZE} is reserved by PyTorch but unallocated", message
-        )
-        report.process_bytes = _size(r"this process has {SIZE} memory in use", message)
-        processes = [
-            parse_size_text(m.group(1), m.group(2))
-            for m in re.finditer(
-                r"Process \d+ has " + _SIZE + r" memory in use", message, re.IGNORECASE
-            )
-        ]
-        if processes and report.process_bytes is None:
-            # "Process N has X" lines: the driver cannot say which one is this process; the
-            # largest is the likeliest (the one that grew until it failed)
-            report.process_bytes = max(processes)
-            report.other_processes_bytes = sum(processes) - max(processes)
-        if report.allocated_bytes is not None and report.reserved_unallocated_bytes is not None:
-            # the allocator prints reserved − allocated as "reserved but unallocated"
-            report.reserved_bytes = report.allocated_bytes + report.reserved_unallocated_bytes
-            report.derived.append("reserved_bytes")
-    else:
-        report.capacity_bytes = _size(r"{SIZE} total capacity", message)
-        report.free_bytes = _size(r"{SIZE} free", message)
-        report.allocated_bytes = _size(r"{SIZE} already allocated", message)
-        report.reserved_bytes = _size(r"{SIZE} reserved in total by PyTorch", message)
-        if report.reserved_bytes is None:  # before PyTorch 1.4 the cache was "cached"
-            report.reserved_bytes = _size(r"{SIZE} cached", message)
-        if report.reserved_bytes is not None and report.allocated_bytes is not None:
-            report.reserved_unallocated_bytes = max(
-                0, report.reserved_bytes - report.allocated_bytes
-            )
-            report.derived.append("reserved_unallocated_bytes")
-    return report
-
-
-def _parse_mps(message: str) -> OomReport:
-    report = OomReport(
-        kind="mps",
-        message=message,
-        allocated_bytes=_size(r"MPS allocated: {SIZE}", message),
-        other_bytes=_size(r"other allocations: {SIZE}", message),
-        # the high-watermark limit is what the process may use: its "capacity"
-        capacity_bytes=_size(r"max allowed: {SIZE}", message),
-        requested_bytes=_size(r"Tried to allocate {SIZE}", message),
-    )
-    if report.capacity_bytes is not None and report.allocated_bytes is not None:
-        report.free_bytes = max(
-            0, report.capacity_bytes - report.allocated_bytes - (report.other_bytes or 0)
-        )
-        report.derived.append("free_bytes")
-    return report
 
 
 # --- diagnosis -----------------------------------------------------------------------------------
@@ -245,46 +32,64 @@ class Fix:
     lever: str  # a stable name: expandable_segments, micro_batch, precision, …
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "change": self.change,
-            "saves_bytes": self.saves_bytes,
-            "cost": self.cost,
-            "lever": self.lever,
-        }
+        return dataclasses.asdict(self)
 
 
-@dataclass
-class Knobs:
-    """The job that ran out of memory, as ``memfit estimate`` names it (for ``saves_bytes``)."""
+@dataclass(kw_only=True)
+class FailedJob(Job):
+    """The job that ran out of memory, as far as the flags, the run folder and the message tell."""
 
-    model: str
-    task: str
-    batch_size: int  # the micro-batch that failed
-    seq_len: int
-    precision: str = "fp32"
-    gradient_checkpointing: bool = False
-    optimizer: str = "adamw"
-    num_labels: int = 2
-    loss: str | None = None
-    lora_rank: int | None = None
-    gradient_accumulation_steps: int = 1
-    effective_batch_size: int | None = None
-    device: str = "cuda"
+    # False: the effective batch was not given (the job's is the micro-batch's accumulation)
+    effective_batch_known: bool = True
 
-    def estimate_kwargs(self) -> dict[str, Any]:
-        return {
-            "task": self.task,
-            "batch_size": self.batch_size,
-            "seq_len": self.seq_len,
-            "precision": self.precision,
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "optimizer": self.optimizer,
-            "num_labels": self.num_labels,
-            "loss": self.loss,
-            "lora_rank": self.lora_rank,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "device": self.device,
-        }
+
+def failed_job(
+    *,
+    batch_size: int,
+    gradient_accumulation_steps: int | None = None,
+    effective_batch_size: int | None = None,
+    **knobs: Any,
+) -> FailedJob:
+    """The job that ran out of memory, ``batch_size`` its micro-batch that failed (as
+    ``memfit doctor --batch-size`` and ``memfit estimate`` name it); the effective batch is the
+    micro-batch's accumulation when not given. ``knobs``: the other :class:`~memfit.job.Job`
+    fields."""
+    accumulation = gradient_accumulation_steps or 1
+    return FailedJob(
+        micro_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        effective_batch_size=effective_batch_size or batch_size * accumulation,
+        effective_batch_known=effective_batch_size is not None,
+        **knobs,
+    )
+
+
+def estimate_kwargs(job: Job) -> dict[str, Any]:
+    """The :func:`memfit.estimate` arguments of the failed ``job`` (fp32, no checkpointing, two
+    labels, no accumulation, CUDA where it does not say)."""
+    return {
+        "task": job.task,
+        "batch_size": job.micro_batch_size,
+        "seq_len": job.seq_len,
+        "precision": job.precision or "fp32",
+        "gradient_checkpointing": bool(job.gradient_checkpointing),
+        "optimizer": job.optimizer,
+        "num_labels": job.num_labels or 2,
+        "loss": job.loss,
+        "lora_rank": job.lora_rank,
+        "gradient_accumulation_steps": job.gradient_accumulation_steps or 1,
+        "device": job.device or "cuda",
+    }
+
+
+def job_record(job: Job) -> dict[str, Any]:
+    """The ``--json`` ``knobs``: the failed job as ``memfit estimate`` names it, with its model
+    and effective batch (the keys are a contract)."""
+    record = {"model": job.model, **estimate_kwargs(job)}
+    device = record.pop("device")
+    known = getattr(job, "effective_batch_known", True)
+    effective = job.effective_batch_size if known else None
+    return record | {"effective_batch_size": effective, "device": device}
 
 
 @dataclass
@@ -293,7 +98,7 @@ class Diagnosis:
     diagnosis: list[str]
     fixes: list[Fix]
     source: str = "message"
-    knobs: Knobs | None = None
+    knobs: Job | None = None  # the job that ran out of memory, when known
 
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` contract: the six numbers, ``diagnosis`` and ranked ``fixes``."""
@@ -306,7 +111,7 @@ class Diagnosis:
             "source": self.source,
             "derived": list(self.report.derived),
             "message": self.report.message,
-            "knobs": None if self.knobs is None else dataclasses.asdict(self.knobs),
+            "knobs": None if self.knobs is None else job_record(self.knobs),
         }
 
 
@@ -328,9 +133,7 @@ def _share(part: int, whole: int) -> str:
 
 def explain(report: OomReport) -> list[str]:
     """Plain-word lines about the numbers of the message."""
-    lines = [
-        _KIND_TITLES[report.kind] + (f" on GPU {report.gpu}" if report.gpu is not None else "")
-    ]
+    lines = [KIND_TITLES[report.kind] + (f" on GPU {report.gpu}" if report.gpu is not None else "")]
     fb = format_bytes
     req, cap, free = report.requested_bytes, report.capacity_bytes, report.free_bytes
     if report.kind == "cuda-bare":
@@ -436,7 +239,7 @@ def _estimate_total(model: str, kwargs: dict[str, Any]) -> int:
 def diagnose(
     report: OomReport,
     *,
-    knobs: Knobs | None = None,
+    knobs: Job | None = None,
     context: list[str] | None = None,
     source: str = "message",
     catch_estimate_errors: bool = False,
@@ -464,7 +267,7 @@ def diagnose(
     baseline: int | None = None
     if knobs is not None:
         try:
-            baseline = _estimate_total(knobs.model, knobs.estimate_kwargs())
+            baseline = _estimate_total(knobs.model, estimate_kwargs(knobs))
         except UsageError as exc:
             if not catch_estimate_errors:
                 raise
@@ -474,17 +277,41 @@ def diagnose(
     def saving(**changes: Any) -> int | None:
         if knobs is None or baseline is None:
             return None
-        kwargs = {**knobs.estimate_kwargs(), **changes}
+        kwargs = {**estimate_kwargs(knobs), **changes}
         try:
             return baseline - _estimate_total(knobs.model, kwargs)
         except UsageError as exc:
             lines.append(f"could not estimate {changes}: {exc}")
             return None
 
+    for fix in _cures(knobs, saving):
+        if fix.saves_bytes is not None and fix.saves_bytes <= 0:
+            lines.append(
+                f"not proposed: {fix.lever} would not lower this job's peak "
+                f"(estimate: {format_bytes(-fix.saves_bytes)} more)"
+            )
+        else:
+            fixes.append(fix)
+    if report.kind == "mps":
+        fixes.append(
+            Fix(
+                change="PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 (lift the MPS limit)",
+                saves_bytes=None,
+                cost="the system may swap or freeze instead of failing",
+                lever="mps_watermark",
+            )
+        )
+    fixes.append(_plan_fix(report, knobs, cuda))
+    return Diagnosis(report=report, diagnosis=lines, fixes=fixes, source=source, knobs=knobs)
+
+
+def _cures(knobs: Job | None, saving: Callable[..., int | None]) -> list[Fix]:
+    """memfit plan's cures, in its order, that this job does not use yet; ``saving(**changes)``
+    prices each (None: unknown)."""
     candidates: list[Fix] = []
-    batch = knobs.batch_size if knobs else None
+    batch = knobs.micro_batch_size if knobs else None
     if batch is None or batch > 1:
-        accumulation = knobs.gradient_accumulation_steps if knobs else 1
+        accumulation = (knobs.gradient_accumulation_steps or 1) if knobs else 1
         change = (
             f"halve the micro-batch ({batch} → {batch // 2}) and double gradient accumulation "
             f"({accumulation} → {2 * accumulation}): the effective batch and the gradient stay the same"
@@ -501,7 +328,7 @@ def diagnose(
                 lever="micro_batch",
             )
         )
-    if knobs is None or knobs.precision == "fp32":
+    if knobs is None or (knobs.precision or "fp32") == "fp32":
         candidates.append(
             Fix(
                 change="mixed precision: bf16 autocast (fp16 with loss scaling on GPUs without "
@@ -533,11 +360,11 @@ def diagnose(
                 lever="truncation",
             )
         )
-    if knobs is None or knobs.optimizer == "adamw":
+    if knobs is None or _swap_saves(knobs.optimizer):
         candidates.append(
             Fix(
                 change="8-bit AdamW (bitsandbytes) or Adafactor instead of AdamW",
-                saves_bytes=saving(optimizer="adamw-8bit"),
+                saves_bytes=saving(optimizer=SWAP_OPTIMIZERS[0]),
                 cost="changes the optimizer: state is quantized (8-bit AdamW) or factored "
                 "(Adafactor); usually close in quality",
                 lever="optimizer",
@@ -552,37 +379,21 @@ def diagnose(
                 lever="lora",
             )
         )
-    for fix in candidates:
-        if fix.saves_bytes is not None and fix.saves_bytes <= 0:
-            lines.append(
-                f"not proposed: {fix.lever} would not lower this job's peak "
-                f"(estimate: {format_bytes(-fix.saves_bytes)} more)"
-            )
-        else:
-            fixes.append(fix)
-    if report.kind == "mps":
-        fixes.append(
-            Fix(
-                change="PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 (lift the MPS limit)",
-                saves_bytes=None,
-                cost="the system may swap or freeze instead of failing",
-                lever="mps_watermark",
-            )
-        )
-    fixes.append(_plan_fix(report, knobs, cuda))
-    return Diagnosis(report=report, diagnosis=lines, fixes=fixes, source=source, knobs=knobs)
+    return candidates
 
 
-def _plan_fix(report: OomReport, knobs: Knobs | None, cuda: bool) -> Fix:
+def _swap_saves(optimizer: str) -> bool:
+    """A memory-saving optimizer would hold less state than ``optimizer`` (AdamW's)."""
+    own = OPTIMIZER_TABLE.get(optimizer)
+    swap = OPTIMIZER_TABLE[SWAP_OPTIMIZERS[0]]
+    return own is not None and own.bytes_per_parameter > swap.bytes_per_parameter
+
+
+def _plan_fix(report: OomReport, knobs: Job | None, cuda: bool) -> Fix:
     """The command that searches every lever at once for this budget."""
     parts = ["memfit plan", knobs.model if knobs else "MODEL"]
     parts += ["--task", knobs.task if knobs else "TASK"]
-    effective = None
-    if knobs is not None:
-        effective = (
-            knobs.effective_batch_size or knobs.batch_size * knobs.gradient_accumulation_steps
-        )
-    parts += ["--effective-batch-size", str(effective) if effective else "N"]
+    parts += ["--effective-batch-size", str(knobs.effective_batch_size) if knobs else "N"]
     parts += ["--seq-len", str(knobs.seq_len) if knobs else "LEN"]
     budget = report.capacity_bytes
     if budget is not None:
@@ -607,7 +418,7 @@ def _excerpt(text: str) -> str:
 
 
 def from_text(
-    text: str, *, flag: str, knobs: Knobs | None = None, source: str = "message"
+    text: str, *, flag: str, knobs: Job | None = None, source: str = "message"
 ) -> Diagnosis:
     report = parse_oom(text)
     if report is None:
@@ -621,7 +432,7 @@ def from_text(
     return diagnose(report, knobs=knobs, source=source)
 
 
-def from_file(path: str, *, knobs: Knobs | None = None) -> Diagnosis:
+def from_file(path: str, *, knobs: Job | None = None) -> Diagnosis:
     """The last OOM message of a log file (``-``: standard input)."""
     import sys
 
@@ -650,7 +461,7 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
     return agreed_events(events)
 
 
-def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Knobs | None:
+def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Job | None:
     """The failed job's knobs from a run folder's ``run.json`` (None if it lacks the model)."""
     config = run.get("config") or {}
     resolved = run.get("resolved") or {}
@@ -668,7 +479,7 @@ def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Knobs |
     world = int(config.get("world_size") or 1)
     accumulation = max(1, -(-(effective or batch) // (int(batch) * world)))
     device = str(resolved.get("device") or config.get("device") or "cuda")
-    return Knobs(
+    return failed_job(
         model=str(model),
         task=str(task),
         batch_size=int(batch),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.job import OPTIMIZERS
 from memfit.report.events import agreed_events
 from memfit.units import format_bytes
 
@@ -149,7 +150,7 @@ def run_estimate(
         "gradient_checkpointing": bool(resolved.get("gradient_checkpointing")),
         "device": device,
     }
-    if config.get("optimizer") in ("adamw", "adamw-8bit", "adafactor", "sgd"):
+    if config.get("optimizer") in OPTIMIZERS:
         knobs["optimizer"] = config["optimizer"]
     if config.get("task") == "classification" and config.get("num_labels"):
         knobs["num_labels"] = int(config["num_labels"])

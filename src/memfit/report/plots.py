@@ -14,7 +14,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import UsageError
 from memfit.units import format_bytes
@@ -24,6 +24,8 @@ try:
     from matplotlib.ticker import MaxNLocator
 except ImportError:  # pragma: no cover - matplotlib is in memfit[all]
     Figure = None  # type: ignore[assignment,misc]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 # the estimate's categories, bottom to top of the stacked bar, with fixed colours
 CATEGORIES = (
@@ -143,6 +145,30 @@ def memory_plot(
     steps = train_lines(metrics)
     fig = Figure(figsize=(10, 6.2), layout="constrained")
     memory_ax, batch_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    _draw_memory(memory_ax, steps, budget, budget_label)
+    # events: a vertical line at each step, one marker per event type near the top, labelled
+    by_type: dict[str, list[Mapping[str, Any]]] = {}
+    for event in events:
+        if event.get("type") in EVENT_STYLES and isinstance(event.get("step"), int):
+            by_type.setdefault(str(event["type"]), []).append(event)
+    _draw_events(memory_ax, by_type)
+    if memory_ax.get_legend_handles_labels()[0]:
+        memory_ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
+
+    _draw_micro_batch(batch_ax, steps, by_type)
+    event_steps = [int(e["step"]) for found in by_type.values() for e in found]
+    all_steps = [float(m["step"]) for m in steps] + event_steps
+    if all_steps:
+        low, high = min(all_steps), max(all_steps)
+        pad = max(0.5, (high - low) * 0.03)
+        memory_ax.set_xlim(low - pad, high + pad)
+    return fig
+
+
+def _draw_memory(
+    memory_ax: Axes, steps: Sequence[Mapping[str, Any]], budget: int | None, budget_label: str
+) -> None:
+    """The memory curves of each step and the budget line."""
     curves = [
         ("peak_bytes", "peak (allocated)", "#1f77b4", "-", 2.0),
         ("reserved_bytes", "peak reserved (CUDA)", "#17becf", "-", 1.5),
@@ -187,11 +213,9 @@ def memory_plot(
     memory_ax.grid(alpha=0.3)
     memory_ax.set_title("Memory per optimizer step")
 
-    # events: a vertical line at each step, one marker per event type near the top, labelled
-    by_type: dict[str, list[Mapping[str, Any]]] = {}
-    for event in events:
-        if event.get("type") in EVENT_STYLES and isinstance(event.get("step"), int):
-            by_type.setdefault(str(event["type"]), []).append(event)
+
+def _draw_events(memory_ax: Axes, by_type: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    """A vertical line at each event's step, one marker per event type near the top, labelled."""
     # in axes fractions: the top band for the guard's events, the bottom for resume and stop
     height = {
         "oom": 0.94,
@@ -234,9 +258,14 @@ def memory_plot(
                     color=colour,
                     fontweight="bold" if kind == "oom" else "normal",
                 )
-    if memory_ax.get_legend_handles_labels()[0]:
-        memory_ax.legend(loc="lower right", fontsize=8, framealpha=0.9)
 
+
+def _draw_micro_batch(
+    batch_ax: Axes,
+    steps: Sequence[Mapping[str, Any]],
+    by_type: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> None:
+    """The micro-batch size per step, the events' steps, and the micro-batches that ran out."""
     xs, ys = _series(steps, "micro_batch_size")
     if xs:
         batch_ax.step(
@@ -271,13 +300,6 @@ def memory_plot(
     batch_ax.set_ylabel("micro-batch")
     batch_ax.set_xlabel("optimizer step (0: the probe)" if "probe" in by_type else "optimizer step")
     batch_ax.grid(alpha=0.3)
-    event_steps = [int(e["step"]) for found in by_type.values() for e in found]
-    all_steps = [float(m["step"]) for m in steps] + event_steps
-    if all_steps:
-        low, high = min(all_steps), max(all_steps)
-        pad = max(0.5, (high - low) * 0.03)
-        memory_ax.set_xlim(low - pad, high + pad)
-    return fig
 
 
 def breakdown_plot(

@@ -39,24 +39,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.guard.guard import PeerOutOfMemory
-
-SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
-DEEPSPEED_SHARDINGS = ("zero1", "zero2", "zero3")
-
-
-def launched_world_size() -> int:
-    """The number of ranks the launcher started (``WORLD_SIZE``; 1 without a launcher)."""
-    try:
-        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def launched_rank() -> int:
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+from memfit.runtime import launched_rank
 
 
 def shard_rows(

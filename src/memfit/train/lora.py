@@ -26,15 +26,6 @@ from torch import nn
 from memfit.errors import UsageError
 
 
-def parse_target_modules(value: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
-    """``--lora-target-modules a,b`` (or a list from a config file) as a list; None: default."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else [str(x) for x in value]
-    names = [x.strip() for x in items if x.strip()]
-    return names or None
-
-
 def lora_problems(cfg: Any) -> list[str]:
     """What is wrong with the LoRA flags, before anything is loaded."""
     problems: list[str] = []

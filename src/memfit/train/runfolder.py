@@ -23,9 +23,12 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 LOCK_FILE = "run.lock"
 RUN_FILE = "run.json"
@@ -256,3 +259,35 @@ def clean_temporaries(folder: Path) -> None:
     for child in folder.glob(f".{RUN_FILE}.tmp-*"):
         with contextlib.suppress(OSError):
             child.unlink()
+
+
+def save_model_folder(
+    recipe: Any,
+    folder: Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    *,
+    merge_lora: bool = False,
+) -> None:
+    """The recipe's saved model, written beside and renamed into place.
+
+    A LoRA model is saved as a peft adapter folder, or with ``merge_lora`` merged (from a copy:
+    training goes on with the adapters) into a plain folder (``memfit.train.lora.save_lora``).
+    ``state_dict``: the whole model's weights gathered from FSDP shards.
+    """
+    from memfit.train.lora import is_lora, save_lora
+
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # a full disk half-way: the folder in place (if any) stays, the half-written one goes
+    with removed_on_failure(tmp):
+        if is_lora(recipe.model):
+            save_lora(recipe, tmp, merge=merge_lora)
+        elif state_dict is not None:
+            recipe.save(tmp, state_dict=state_dict)
+        else:
+            recipe.save(tmp)
+    old = folder.with_name(f".old-{folder.name}-{os.getpid()}")
+    if folder.exists():
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)

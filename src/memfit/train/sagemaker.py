@@ -63,7 +63,7 @@ def on_managed_service(environ: Mapping[str, str]) -> bool:
 
 def environment_settings(environ: Mapping[str, str], config_class: type) -> dict[str, Any]:
     """The settings the job's environment supplies (``config_class``'s field names: the
-    :class:`~memfit.train.run.TrainConfig`); every problem with the hyperparameters at once."""
+    :class:`~memfit.train.config.TrainConfig`); every problem with the hyperparameters at once."""
     if not on_managed_service(environ):
         return {}
     settings: dict[str, Any] = {}

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from memfit.data.labels import LabelRule
 from memfit.data.rows import (
     WHERE,
     Column,
     DataError,
     DataOptions,
-    LabelRule,
     Problem,
     RowTable,
     read_rows,

@@ -12,19 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from memfit.data.labels import LabelRule, canonical_label
+from memfit.data.records import TOO_DEEP, _value_end
 from memfit.data.rows import (
-    TOO_DEEP,
     Column,
     DataError,
     DataOptions,
-    LabelRule,
     RowTable,
-    _value_end,
-    canonical_label,
     read_rows,
-    resolve_sources,
     scan_rows,
 )
+from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
 
 COLUMNS = [Column("text"), Column("label", "label")]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from memfit.estimate import api, cache
+from memfit.estimate import api, cache, traces
 from memfit.models import resolve_model
 
 KNOBS: dict[str, Any] = dict(
@@ -46,14 +46,14 @@ def _same(a: Any, b: Any) -> bool:
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MEMFIT_NO_CACHE", raising=False)
-    api.clear_cache()
+    traces.clear_cache()
     yield tmp_path
-    api.clear_cache()
+    traces.clear_cache()
 
 
 def _trace_file(model: str, **knobs: Any) -> Path:
     """Where the trace of ``estimate(model, **knobs)`` is kept (after one estimate)."""
-    (key,) = [k for k in api._CACHE if k[0] == resolve_model(model).cache_key()]
+    (key,) = [k for k in traces._CACHE if k[0] == resolve_model(model).cache_key()]
     path = cache.path_for(key)
     assert path is not None
     return path
@@ -65,7 +65,7 @@ def test_a_trace_reads_back_as_written(cache_dir: Path, gpt2_7: str) -> None:
     one = api.estimate(gpt2_7, **{**KNOBS, "batch_size": 1, "seq_len": 37})  # a variant
     path = _trace_file(gpt2_7)
     assert path.suffix == ".z" and path.is_file()
-    api.clear_cache()
+    traces.clear_cache()
     again = api.estimate(gpt2_7, **KNOBS)
     assert again.details["trace_seconds"] == first.details["trace_seconds"]  # not traced again
     assert _same(again, first)
@@ -93,7 +93,7 @@ def test_a_planted_pickle_is_not_run(cache_dir: Path, tiny_gpt2: str) -> None:
             return (Path.touch, (marker,))
 
     path.write_bytes(pickle.dumps(Planted()))
-    api.clear_cache()
+    traces.clear_cache()
     again = api.estimate(tiny_gpt2, **KNOBS)
     assert not marker.exists()
     assert again.total_bytes == first.total_bytes  # traced again instead
@@ -109,25 +109,25 @@ def test_a_file_naming_other_code_is_ignored(cache_dir: Path, tiny_gpt2: str) ->
     index = next(i for i, f in enumerate(seg["formulas"]) if f)
     seg["formulas"][index] = ["system", ["touch /tmp/x"], {}]  # os.system by another name
     path.write_bytes(zlib.compress(json.dumps(data).encode()))
-    key = next(iter(api._CACHE))
-    assert cache.read(path, key, None, api._Traced) is None
+    key = next(iter(traces._CACHE))
+    assert cache.read(path, key, None, traces.Traced) is None
     path.write_bytes(b"not even compressed")
-    assert cache.read(path, key, None, api._Traced) is None
+    assert cache.read(path, key, None, traces.Traced) is None
     path.write_bytes(zlib.compress(b"[" * 100_000))  # nested past the recursion limit
-    assert cache.read(path, key, None, api._Traced) is None
+    assert cache.read(path, key, None, traces.Traced) is None
 
 
 def test_a_trace_of_other_knobs_is_not_taken(cache_dir: Path, tiny_gpt2: str) -> None:
     """A file copied (or renamed) to another key's name is refused: its key is inside it."""
     bf16 = api.estimate(tiny_gpt2, **KNOBS)
     source = _trace_file(tiny_gpt2)
-    api.clear_cache()
+    traces.clear_cache()
     fp32 = api.estimate(tiny_gpt2, **{**KNOBS, "precision": "fp32"})
-    (fp32_key,) = [k for k in api._CACHE if k[1].precision == "fp32"]
+    (fp32_key,) = [k for k in traces._CACHE if k[1].precision == "fp32"]
     target = cache.path_for(fp32_key)
     assert target is not None and target != source
     target.write_bytes(source.read_bytes())
-    api.clear_cache()
+    traces.clear_cache()
     again = api.estimate(tiny_gpt2, **{**KNOBS, "precision": "fp32"})
     assert again.total_bytes == fp32.total_bytes != bf16.total_bytes
 
@@ -138,6 +138,6 @@ def test_an_unwritable_cache_is_no_error(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(blocker))
-    api.clear_cache()
+    traces.clear_cache()
     assert api.estimate(tiny_gpt2, **KNOBS).total_bytes > 0
-    api.clear_cache()
+    traces.clear_cache()

@@ -16,8 +16,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memfit.estimate import cuda_emulation as ce
-from memfit.estimate.cuda_emulation import CudaAutocast, CudaSdpa, SdpaBackend
+from memfit.estimate import autocast_emulation as ac
+from memfit.estimate import sdpa_emulation as sd
+from memfit.estimate import sdpa_kernels as sk
+from memfit.estimate.autocast_emulation import CudaAutocast
+from memfit.estimate.sdpa_emulation import CudaSdpa, SdpaBackend
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -85,12 +88,12 @@ def _storage_key(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 ALL_LISTED = (
-    ce.LOWER_PRECISION_FP_OPS
-    | ce.FP32_OPS
-    | ce.FP32_SET_OPT_DTYPE_OPS
-    | ce.FP32_APPEND_DTYPE_OPS
-    | ce.PROMOTE_OPS
-    | ce.BANNED_OPS
+    ac.LOWER_PRECISION_FP_OPS
+    | ac.FP32_OPS
+    | ac.FP32_SET_OPT_DTYPE_OPS
+    | ac.FP32_APPEND_DTYPE_OPS
+    | ac.PROMOTE_OPS
+    | ac.BANNED_OPS
 )
 
 
@@ -105,11 +108,11 @@ def test_op_lists_cover_every_autocast_cuda_registration() -> None:
 
 def test_op_lists_are_disjoint() -> None:
     lists = [
-        ce.LOWER_PRECISION_FP_OPS,
-        ce.FP32_OPS,
-        ce.FP32_SET_OPT_DTYPE_OPS,
-        ce.FP32_APPEND_DTYPE_OPS,
-        ce.PROMOTE_OPS,
+        ac.LOWER_PRECISION_FP_OPS,
+        ac.FP32_OPS,
+        ac.FP32_SET_OPT_DTYPE_OPS,
+        ac.FP32_APPEND_DTYPE_OPS,
+        ac.PROMOTE_OPS,
     ]
     assert sum(len(ops) for ops in lists) == len(frozenset().union(*lists))
 
@@ -117,45 +120,45 @@ def test_op_lists_are_disjoint() -> None:
 @pytest.mark.parametrize(
     ("func", "policy"),
     [
-        (F.linear, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.matmul, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.Tensor.__matmul__, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.Tensor.matmul, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.bmm, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.baddbmm, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.addmm, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch._C._VariableFunctions.einsum, ce.CastPolicy.LOWER_PRECISION_FP),  # type: ignore[attr-defined]
-        (F.scaled_dot_product_attention, ce.CastPolicy.LOWER_PRECISION_FP),
-        (torch.layer_norm, ce.CastPolicy.FP32),  # what F.layer_norm calls
-        (torch.exp, ce.CastPolicy.FP32),
-        (torch.rsqrt, ce.CastPolicy.FP32),
-        (torch.Tensor.pow, ce.CastPolicy.FP32),
-        (F.cosine_similarity, ce.CastPolicy.FP32),
-        (torch._C._nn.mse_loss, ce.CastPolicy.FP32),
-        (torch._C._nn.nll_loss_nd, ce.CastPolicy.FP32),
-        (torch.softmax, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.Tensor.softmax, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.Tensor.log_softmax, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.cumsum, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.Tensor.sum, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.linalg.vector_norm, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.ops.aten.sum.dim_IntList, ce.CastPolicy.FP32_SET_OPT_DTYPE),
-        (torch.ops.aten.norm.Scalar, ce.CastPolicy.FP32_APPEND_DTYPE),
-        (torch.addcmul, ce.CastPolicy.PROMOTE),
-        (torch._C._nn.cross_entropy_loss, ce.CastPolicy.CROSS_ENTROPY),
-        (torch._C._nn.binary_cross_entropy, ce.CastPolicy.BANNED),
+        (F.linear, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.matmul, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.Tensor.__matmul__, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.Tensor.matmul, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.bmm, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.baddbmm, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.addmm, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch._C._VariableFunctions.einsum, ac.CastPolicy.LOWER_PRECISION_FP),  # type: ignore[attr-defined]
+        (F.scaled_dot_product_attention, ac.CastPolicy.LOWER_PRECISION_FP),
+        (torch.layer_norm, ac.CastPolicy.FP32),  # what F.layer_norm calls
+        (torch.exp, ac.CastPolicy.FP32),
+        (torch.rsqrt, ac.CastPolicy.FP32),
+        (torch.Tensor.pow, ac.CastPolicy.FP32),
+        (F.cosine_similarity, ac.CastPolicy.FP32),
+        (torch._C._nn.mse_loss, ac.CastPolicy.FP32),
+        (torch._C._nn.nll_loss_nd, ac.CastPolicy.FP32),
+        (torch.softmax, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.Tensor.softmax, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.Tensor.log_softmax, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.cumsum, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.Tensor.sum, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.linalg.vector_norm, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.ops.aten.sum.dim_IntList, ac.CastPolicy.FP32_SET_OPT_DTYPE),
+        (torch.ops.aten.norm.Scalar, ac.CastPolicy.FP32_APPEND_DTYPE),
+        (torch.addcmul, ac.CastPolicy.PROMOTE),
+        (torch._C._nn.cross_entropy_loss, ac.CastPolicy.CROSS_ENTROPY),
+        (torch._C._nn.binary_cross_entropy, ac.CastPolicy.BANNED),
         (F.gelu, None),
         (torch.mean, None),
         (torch.cat, None),
         (torch.add, None),
         (torch.Tensor.exp_, None),  # in-place: never autocast
         (F.softmax, None),  # a Python function: the Tensor.softmax it calls is matched
-        (torch.ops.aten.pow.Tensor_Scalar, ce.CastPolicy.FP32),
+        (torch.ops.aten.pow.Tensor_Scalar, ac.CastPolicy.FP32),
         (torch.ops.aten.mean.default, None),
     ],
 )
-def test_autocast_policy_of_callables(func: Any, policy: ce.CastPolicy | None) -> None:
-    assert ce.autocast_policy(func) is policy
+def test_autocast_policy_of_callables(func: Any, policy: ac.CastPolicy | None) -> None:
+    assert ac.autocast_policy(func) is policy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -591,7 +594,7 @@ def _qkv(
 
 
 def test_backend_choice() -> None:
-    select = ce.select_sdpa_backend
+    select = sd.select_sdpa_backend
     with FakeTensorMode():
         q, k, v, *_ = _qkv(dtype=FP32)
         mask = torch.zeros(2, 1, 32, 32)
@@ -629,8 +632,8 @@ def test_backend_choice() -> None:
 def test_sm86_training_with_large_head_dim_is_not_flash() -> None:
     with FakeTensorMode():
         q, k, v, *_ = _qkv(d=200, dtype=BF16)
-        assert ce.select_sdpa_backend(q, k, v, compute_capability=(8, 0)) is SdpaBackend.FLASH
-        assert ce.select_sdpa_backend(q, k, v, compute_capability=(8, 6)) is SdpaBackend.EFFICIENT
+        assert sd.select_sdpa_backend(q, k, v, compute_capability=(8, 0)) is SdpaBackend.FLASH
+        assert sd.select_sdpa_backend(q, k, v, compute_capability=(8, 6)) is SdpaBackend.EFFICIENT
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -688,7 +691,7 @@ def test_flash_allocations() -> None:
     b, h, length, d = 2, 8, 256, 64
     with FakeTensorMode():
         q, k, v, *bases = _qkv(b, h, length, d, dtype=BF16)
-        assert ce.flash_forward_num_splits(b, h, length, length, d, 0.0, 108) == 1
+        assert sk.flash_forward_num_splits(b, h, length, length, d, 0.0, 108) == 1
         with CudaSdpa(), AllocationRecorder() as forward:
             out = F.scaled_dot_product_attention(q, k, v)
         saved = _saved_tensors(out)
@@ -724,7 +727,7 @@ def test_flash_backward_copies_non_contiguous_grad_out_and_out() -> None:
 
 def test_flash_split_kv_accumulators() -> None:
     b, h, length, d = 1, 2, 1024, 64
-    splits = ce.flash_forward_num_splits(b, h, length, length, d, 0.0, 108)
+    splits = sk.flash_forward_num_splits(b, h, length, length, d, 0.0, 108)
     assert splits == 4
     with FakeTensorMode():
         q, k, v, *_ = _qkv(b, h, length, d, dtype=BF16)
@@ -784,7 +787,7 @@ def test_efficient_allocations_float32() -> None:
     # res (B, M, H, Kv), logsumexp (B, H, round32(M)) fp32, philox seed and offset
     assert forward.sizes() == sorted([elements * 4, b * h * 64 * 4, 8, 8])
     assert saved[4].shape == (b, h, 64)
-    workspace = ce.efficient_attention_backward_workspace_bytes(b, h, length, length, d, d, FP32)
+    workspace = sk.efficient_attention_backward_workspace_bytes(b, h, length, length, d, d, FP32)
     # kernel 64x64 (kMaxK 64): grad-Q tiles ceil(40/64) * ceil(64/64) * (4 + 64*64) floats per (b, h)
     assert workspace == b * h * 4100 * 4
     # grad q/k/v; float32 delta: (B, M, H, Kv) product, (B, M, H) sum, (B, H, M) copy; workspace
@@ -807,7 +810,7 @@ def test_efficient_allocations_bf16_bool_mask() -> None:
     assert forward.sizes() == sorted(
         [mask_elements, mask_elements * 2, elements * 2, b * h * 64 * 4, 8, 8]
     )
-    workspace = ce.efficient_attention_backward_workspace_bytes(b, h, length, length, d, d, BF16)
+    workspace = sk.efficient_attention_backward_workspace_bytes(b, h, length, length, d, d, BF16)
     # kernel 128x128 (kMaxK 128, output in registers): only grad-Q tiles
     assert workspace == b * h * 1 * 1 * (4 + 128 * 128) * 4
     # 16-bit kernels compute delta themselves: only delta (B, H, M) fp32 is allocated
@@ -829,11 +832,11 @@ def test_efficient_pads_unaligned_mask_and_skips_logsumexp_without_grad() -> Non
 
 def test_efficient_workspace_for_head_dim_over_output_registers() -> None:
     # bf16, head dim 96 on sm80: kernel 128x128 k128 keeps the output in registers
-    assert ce.efficient_attention_backward_workspace_bytes(1, 1, 128, 128, 96, 96, BF16) == (
+    assert sk.efficient_attention_backward_workspace_bytes(1, 1, 128, 128, 96, 96, BF16) == (
         (4 + 128 * 128) * 4
     )
     # head dim 160: kernel 128x64 k65536: grad-K/V staged in float32 per key split
-    got = ce.efficient_attention_backward_workspace_bytes(1, 1, 128, 128, 160, 160, BF16)
+    got = sk.efficient_attention_backward_workspace_bytes(1, 1, 128, 128, 160, 160, BF16)
     grad_q = 1 * 3 * (4 + 128 * 64)
     splits = min(2, 200 // 1)
     grad_kv = 2 * splits * 64 * 256
@@ -880,5 +883,5 @@ def test_padded_mask_size_formula_matches_the_trace(shape: tuple[int, ...]) -> N
         k = torch.empty(shape[0], 4, shape[3], 64)
         mask = torch.zeros(shape)
         with AllocationRecorder() as recorder:
-            ce._preprocess_mask(mask, q, k)
-    assert sum(recorder.sizes()) == ce._padded_mask_bytes(4, *shape)
+            sd._preprocess_mask(mask, q, k)
+    assert sum(recorder.sizes()) == sk._padded_mask_bytes(4, *shape)

@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import transformers
 
-from memfit.estimate import api, depth, workload
+from memfit.estimate import api, depth, depth_streams, traces, workload
 from memfit.estimate.fit import grid_shapes
+from memfit.estimate.replay import replay_step
+from memfit.estimate.sharding import layout as sharding_layout
 from memfit.models import resolve_model
 
 # small widths, enough layers for two shallow traces (3p + r and 4p + r layers) and a few more
@@ -84,8 +86,8 @@ def _compare(family: str, **knobs: Any) -> dict[str, Any]:
     config = _config(family)
     spec = workload.StepSpec(**{"task": _task(family), **knobs})
     shapes = _shapes(config)
-    extrapolated, info = api._trace(config, spec, shapes, "auto")
-    full, full_info = api._trace(config, spec, shapes, "full")
+    extrapolated, info = traces.trace_model(config, spec, shapes, "auto")
+    full, full_info = traces.trace_model(config, spec, shapes, "full")
     assert full_info["mode"] == "full"
     assert info["mode"] == "extrapolated", info
     assert depth.same_trace(extrapolated, full)
@@ -101,7 +103,7 @@ def _compare(family: str, **knobs: Any) -> dict[str, Any]:
         for batch, seq in ((3, 48), (6, 136)):
             for sharding in schemes:
                 peaks = [
-                    api._replay(
+                    replay_step(
                         trace,
                         fitted.template,
                         fitted.sizes(batch, seq).tolist(),
@@ -110,7 +112,7 @@ def _compare(family: str, **knobs: Any) -> dict[str, Any]:
                         world_size=2,
                         shard=None
                         if sharding == "none"
-                        else api.sharding_layout(trace, spec, sharding, 2, hidden_size=64),
+                        else sharding_layout(trace, spec, sharding, 2, hidden_size=64),
                     )
                     for trace, fitted in ((extrapolated, fitted_a), (full, fitted_b))
                 ]
@@ -223,7 +225,7 @@ def test_a_plan_keeps_the_period_and_the_remainder() -> None:
     assert plan is None and "4 layers" in reason
 
 
-def _items(contexts: list[int | None]) -> list[depth.Item]:
+def _items(contexts: list[int | None]) -> list[depth_streams.Item]:
     return [(c, ("event", "x" if c is None else "layer")) for c in contexts]
 
 
@@ -257,13 +259,14 @@ def test_irregular_streams_are_refused() -> None:
 def _llama_traces() -> tuple[Any, Any, depth.DepthPlan, workload.StepSpec]:
     config = _config("llama")
     spec = workload.StepSpec(task="causal-lm")
-    trace, info = api._trace(config, spec, _shapes(config), "auto")
+    trace, info = traces.trace_model(config, spec, _shapes(config), "auto")
     assert info["mode"] == "extrapolated"
     plan, _ = depth.plan_depth(config)
     assert plan is not None
     return config, trace, plan, spec
 
 
+@pytest.mark.slow
 def test_a_layer_unlike_the_traced_ones_is_caught() -> None:
     """A layer that differs by its absolute index, past the shallow depths, is never traced:
     the model built with every layer (on meta) must match the extrapolated trace."""
@@ -297,7 +300,7 @@ def test_a_failing_shallow_copy_falls_back_to_the_whole_model(
         raise ValueError("per_layer_config keys must be in range")
 
     monkeypatch.setattr(depth, "shallow_config", broken)
-    trace, info = api._trace(config, spec, [(2, 16), (2, 16)], "auto")
+    trace, info = traces.trace_model(config, spec, [(2, 16), (2, 16)], "auto")
     assert info["mode"] == "full"
     assert info["reason"] == (
         "a shallow copy could not be traced (ValueError: per_layer_config keys must be in range)"

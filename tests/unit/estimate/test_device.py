@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from memfit.devices.profiles import cuda_profile
 from memfit.estimate.device import (
     K_LARGE_BUFFER,
@@ -98,6 +100,7 @@ def test_context_grows_with_the_kernels_a_step_loads() -> None:
     assert cuda_profile((7, 5), "2.11.0").context_for("train", "fp16", "sdpa") == train_fp32
 
 
+@pytest.mark.slow
 def test_a_training_step_holds_a_cublas_workspace_per_thread() -> None:
     from memfit.estimate import estimate
 

@@ -11,6 +11,7 @@ from memfit.estimate.workload import StepSpec
 from memfit.models import resolve_model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fixture", "spec"),
     [
@@ -43,6 +44,7 @@ def test_fit_matches_a_direct_trace(
         np.testing.assert_array_equal(single.sizes(*shape), np.array(direct.sizes))
 
 
+@pytest.mark.slow
 def test_in_batch_negatives_grow_quadratically_in_batch(tiny_bert: str) -> None:
     model = resolve_model(tiny_bert)
     spec = StepSpec(task="sentence-embedding", device="cpu", loss="mnrl")

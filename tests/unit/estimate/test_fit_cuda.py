@@ -10,13 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memfit.estimate import api
+from memfit.estimate import traces
 from memfit.estimate.workload import StepSpec
 from memfit.models import resolve_model
 
 SHAPES = [(13, 96), (3, 7), (1, 100), (1, 9), (6, 45)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fixture", "spec"),
     [
@@ -31,7 +32,7 @@ def test_cuda_fit_matches_a_direct_trace(
     request: pytest.FixtureRequest, fixture: str, spec: StepSpec
 ) -> None:
     model = resolve_model(request.getfixturevalue(fixture))
-    traced = api._traced(model, spec)
+    traced = traces.traced(model, spec)
     for batch_size, seq_len in SHAPES:
         variant = traced._variant(batch_size, seq_len)
         assert variant.method == "fitted", (batch_size, seq_len)

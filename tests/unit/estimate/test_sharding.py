@@ -39,6 +39,7 @@ def _tiny_bert_model():
     return BertForSequenceClassification(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("scheme", DEEPSPEED_SCHEMES)
 def test_zero_model_states_are_the_papers_mixed_precision_adam(
@@ -156,7 +157,7 @@ def test_no_sharding_is_one_gpus_memory_without_ddp_buckets(tiny_bert: str) -> N
 
 
 def test_sharded_16_bit_modules_have_no_autocast_weight_copies(tiny_gpt2: str) -> None:
-    from memfit.estimate.api import _traced
+    from memfit.estimate import traces
     from memfit.estimate.sharding import layout
     from memfit.estimate.workload import StepSpec
     from memfit.models import resolve_model
@@ -164,7 +165,7 @@ def test_sharded_16_bit_modules_have_no_autocast_weight_copies(tiny_gpt2: str) -
     kw = dict(task="causal-lm", batch_size=2, seq_len=32, precision="bf16")
     estimate(tiny_gpt2, **kw)  # traces it
     spec = StepSpec(task="causal-lm", precision="bf16", device="cuda")
-    traced = _traced(resolve_model(tiny_gpt2), spec)
+    traced = traces.traced(resolve_model(tiny_gpt2), spec)
     fb = traced.fitted.template
     casts = [j for j, op in enumerate(fb.ops) if op == "weight_cast"]
     # the CUDA emulation's weight cache: one cast per weight used under autocast
@@ -220,12 +221,12 @@ def test_unknown_scheme_names_the_flag(tiny_bert: str) -> None:
 
 
 def test_sharding_reuses_the_trace(tiny_bert: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from memfit.estimate import api
+    from memfit.estimate import traces
 
     _bert(tiny_bert, precision="fp16")  # traced once (or read from the disk cache)
     traced: list[object] = []
-    real = api._run_trace
-    monkeypatch.setattr(api, "_run_trace", lambda *a, **k: traced.append(a) or real(*a, **k))
+    real = traces._run_trace
+    monkeypatch.setattr(traces, "_run_trace", lambda *a, **k: traced.append(a) or real(*a, **k))
     peaks = {
         _bert(tiny_bert, precision="fp16", sharding=scheme, world_size=world).total_bytes
         for scheme in ("zero1", "zero2", "zero3", "fsdp")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from memfit.estimate.trace import BackwardModes
+from memfit.estimate.fake_model import BackwardModes
 
 
 class _Counting(TorchFunctionMode):

@@ -234,6 +234,7 @@ def peak_of_step(model: nn.Module, rows: list[Row], micro: int) -> int:
     return peak
 
 
+@pytest.mark.slow
 def test_oom_backs_off_and_keeps_the_gradient_exact() -> None:
     model = wide_model()
     params = list(model.parameters())
@@ -332,6 +333,7 @@ def test_other_errors_are_not_swallowed() -> None:
 
 
 # -- growing back ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_grows_back_after_clean_steps_and_waits_longer_after_a_failed_grow() -> None:
     model = make_model()
     params = list(model.parameters())

@@ -8,40 +8,23 @@ from typing import Any
 import pytest
 import torch
 
+from tiny_models import bert_config, gpt2_config
+
 VOCAB = 64
 
 
 def _bert_classifier() -> Any:
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
+    config = bert_config(VOCAB, num_labels=3)
     torch.manual_seed(0)
     return BertForSequenceClassification(config)
 
 
 def _gpt2_lm() -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = gpt2_config(VOCAB)
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
 

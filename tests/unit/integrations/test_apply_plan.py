@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 import memfit.plan
 from memfit.errors import NothingFitsError, UsageError
 from memfit.integrations import GuardedTrainer, apply_plan
-from memfit.plan.planner import Candidate, Knobs, Plan
+from memfit.plan.planner import Candidate, Levers, Plan
 
 
 def arguments(tmp_path: Path, **overrides: Any) -> TrainingArguments:
@@ -47,7 +47,7 @@ def fake_plan(
         calls.append({"model": model, **kwargs})
         assert (Path(model) / "config.json").is_file() or not Path(model).exists()
         chosen = Candidate(
-            knobs=Knobs(precision, checkpointing, optimizer, kwargs["seq_len"], 0),
+            knobs=Levers(precision, checkpointing, optimizer, kwargs["seq_len"], 0),
             micro_batch_size=micro_batch_size,
             gradient_accumulation_steps=accumulation,
             world_size=1,

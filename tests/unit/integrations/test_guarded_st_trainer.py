@@ -25,31 +25,18 @@ from memfit.integrations.sentence_transformers import (
     cached_variant,
     losses_module,
 )
+from tiny_models import save_bert
 
 losses = losses_module()
 WORDS = [f"w{i}" for i in range(40)]
 
 
 @pytest.fixture(scope="module")
-def st_folder(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
+def st_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2-layer BERT (dropout off) with its own word-level vocabulary, as a plain HF folder
     (SentenceTransformer wraps it with mean pooling)."""
-    from transformers import BertConfig, BertModel
-
     folder = tmp_path_factory.mktemp("tiny-st")
-    tokenizer = bert_tokenizer(folder, WORDS)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(folder)
+    save_bert(folder, WORDS)
     return str(folder)
 
 
@@ -214,13 +201,15 @@ def test_a_plan_for_in_batch_negatives_starts_with_the_cached_loss(
     st_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import memfit.plan
-    from memfit.plan.planner import Candidate, Knobs, Plan
+    from memfit.plan.planner import Candidate, Levers, Plan
 
     asked: list[dict[str, Any]] = []
 
     def plan(model: str, **kwargs: Any) -> Plan:
         asked.append({"model": model, **kwargs})
-        chosen = Candidate(Knobs("fp32", False, "adamw", 64, 0), 16, 1, 1, "cached-mnrl", 4, 1, 1.0)
+        chosen = Candidate(
+            Levers("fp32", False, "adamw", 64, 0), 16, 1, 1, "cached-mnrl", 4, 1, 1.0
+        )
         return Plan(True, 1 << 30, 1, 1, chosen, [], [], [])
 
     monkeypatch.setattr(memfit.plan, "plan", plan)

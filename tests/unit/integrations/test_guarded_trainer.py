@@ -143,6 +143,7 @@ def test_a_compute_loss_override_is_split_exactly(
     assert float(loss) == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_oom_in_a_later_micro_batch_reruns_the_step_to_the_same_gradient(
     make_trainer: Callable,
     bert_classifier: Callable,
@@ -179,6 +180,7 @@ def test_oom_in_a_later_micro_batch_reruns_the_step_to_the_same_gradient(
     assert [float(loss_first), float(loss_second)] == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_events_file_has_the_shape_of_memfit_events(
     make_trainer: Callable, bert_classifier: Callable, padded_batch: Callable
 ) -> None:
@@ -200,6 +202,7 @@ def test_the_events_file_has_the_shape_of_memfit_events(
     assert all(e["step"] == 1 and isinstance(e["time"], float) for e in lines)
 
 
+@pytest.mark.slow
 def test_the_guard_grows_back_after_clean_steps_and_waits_longer_when_that_fails(
     make_trainer: Callable, bert_classifier: Callable, padded_batch: Callable
 ) -> None:

@@ -38,6 +38,7 @@ def _reestimate(model: str, task: str, seq_len: int, p) -> int:
     ).total_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fixture", "task", "seq_len", "effective", "budgets"),
     [
@@ -84,6 +85,7 @@ def test_plan_keeps_the_budget_and_is_tight(
         json.dumps(d)  # the contract is plain JSON
 
 
+@pytest.mark.slow
 def test_ranking_is_not_always_the_largest_micro_batch() -> None:
     # bert-base, bf16, 256 tokens, 5 GiB: without checkpointing micro-batch 16 fits; with it,
     # micro-batch 64 would. Recomputing the forward costs more than the larger micro-batch gains.
@@ -123,6 +125,7 @@ def test_ranking_is_not_always_the_largest_micro_batch() -> None:
     assert tight.plan["micro_batch_size"] >= 16
 
 
+@pytest.mark.slow
 def test_in_batch_negatives_plan_the_cached_loss(tiny_bert: str) -> None:
     effective = 64
     whole = estimate(
@@ -171,6 +174,7 @@ def test_nothing_fits_gives_the_least_and_suggestions(tiny_gpt2: str) -> None:
     assert any("--allow lora" in line for line in d["suggestions"])
 
 
+@pytest.mark.slow
 def test_levers_only_when_allowed(tiny_gpt2: str) -> None:
     job = {"task": "causal-lm", "seq_len": 128, "effective_batch_size": 8}
     levers = ["optimizer", "truncation", "lora"]
@@ -243,6 +247,7 @@ def test_sharded_plan_is_per_rank_and_says_its_scheme(tiny_bert: str) -> None:
     assert plain.plan is not None and plain.plan["sharding"] == "none"
 
 
+@pytest.mark.slow
 def test_nothing_fits_prices_scaling_out() -> None:
     # bert-base at 2 GiB: one GPU needs ~3 GiB even at micro-batch 1 with checkpointing; more
     # GPUs help only when they shard the model states

@@ -14,7 +14,8 @@ import torch
 
 from memfit.cli import main
 from memfit.errors import UsageError
-from memfit.report.doctor import Knobs, diagnose, from_run_dir, parse_oom
+from memfit.report.doctor import diagnose, failed_job, from_run_dir
+from memfit.report.oom_message import parse_oom
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -422,7 +423,7 @@ def test_message_with_model_matches_estimate_differences(tiny_bert: str) -> None
 
     r = parse_oom(CUDA_OLD)
     assert r is not None
-    knobs = Knobs(model=tiny_bert, task="classification", batch_size=32, seq_len=128)
+    knobs = failed_job(model=tiny_bert, task="classification", batch_size=32, seq_len=128)
     d = diagnose(r, knobs=knobs)
     base = estimate(tiny_bert, task="classification", batch_size=32, seq_len=128).total_bytes
     halved = estimate(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+
+from tiny_models import save_bert
 
 WORDS = [
     "the",
@@ -43,23 +43,10 @@ WORDS = [
 
 
 @pytest.fixture(scope="session")
-def bert_dir(tmp_path_factory: pytest.TempPathFactory, bert_tokenizer: Any) -> str:
+def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 2-layer BERT (random weights, dropout off) with a small WordPiece tokenizer."""
-    from transformers import BertConfig, BertModel
-
     folder = tmp_path_factory.mktemp("bert")
-    tokenizer = bert_tokenizer(folder, WORDS)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer = save_bert(folder, WORDS, seed=None)
     tokenizer.save_pretrained(folder)
     return str(folder)
 

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from memfit.cli import main
-from memfit.train import loggers
+from memfit.train import TrainConfig, loggers, train
 from memfit.train.loggers import parse_report_to, report_problems, scalars
-from memfit.train.run import TrainConfig, train
 
 STEP = {
     "step": 3,

@@ -22,8 +22,9 @@ from memfit.estimate.workload import (
     lora_config,
     lora_target_modules,
 )
-from memfit.train.lora import lora_problems, parse_target_modules
-from memfit.train.run import TrainConfig
+from memfit.job import parse_target_modules
+from memfit.train import TrainConfig
+from memfit.train.lora import lora_problems
 
 LAYERS = 2
 _COMMON = dict(

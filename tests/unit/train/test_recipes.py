@@ -13,6 +13,7 @@ import torch
 
 from memfit.data.rows import WHERE, Column, read_rows
 from memfit.errors import UsageError
+from memfit.metrics import perplexity
 from memfit.train.recipes import (
     RECIPES,
     CausalLMRecipe,
@@ -21,7 +22,6 @@ from memfit.train.recipes import (
     make_recipe,
 )
 from memfit.train.recipes.base import Recipe
-from memfit.metrics import perplexity
 from memfit.train.recipes.classification import accuracy, macro_f1
 from memfit.train.recipes.sentence_embedding import retrieval_accuracy
 
@@ -315,6 +315,7 @@ PAIRS = [
 ]
 
 
+@pytest.mark.slow
 def test_sentence_embedding_gradcache_matches_whole_batch(minilm_dir: str, tmp_path: Path) -> None:
     recipe = SentenceEmbeddingRecipe(minilm_dir, max_seq_len=16)
     assert not recipe.splittable

@@ -11,8 +11,7 @@ import pytest
 
 from memfit.cli import main
 from memfit.errors import UsageError
-from memfit.train import sagemaker
-from memfit.train.run import TrainConfig
+from memfit.train import TrainConfig, sagemaker
 from memfit.train.sagemaker import environment_settings, hyperparameters, publish_model
 
 

@@ -25,6 +25,14 @@ def make_recipe(task: str, **options: Any) -> Recipe:
     return RECIPES[task](**options)
 
 
+def recipe_for(cfg: Any) -> Recipe:
+    """The recipe of a run's settings (a :class:`memfit.train.TrainConfig`): its task's recipe,
+    which picks its own options from them (:meth:`Recipe.from_config`)."""
+    if cfg.task not in RECIPES:
+        raise UsageError(f"--task: unknown value {cfg.task!r}; one of {', '.join(RECIPES)}")
+    return RECIPES[cfg.task].from_config(cfg)
+
+
 __all__ = [
     "RECIPES",
     "CausalLMRecipe",
@@ -33,4 +41,5 @@ __all__ = [
     "Row",
     "SentenceEmbeddingRecipe",
     "make_recipe",
+    "recipe_for",
 ]

@@ -32,6 +32,7 @@ from torch import nn
 from memfit.data.batching import padded_width
 from memfit.data.rows import DataOptions
 from memfit.errors import UsageError
+from memfit.job import positions_problem
 
 Row = dict[str, Any]
 
@@ -87,6 +88,23 @@ class Recipe(abc.ABC):
     # told, then a max_seq_len other than the recipe's default counts as asked for
     max_seq_len_given: bool | None = None
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> Recipe:
+        """The recipe of a run's settings (a :class:`memfit.train.TrainConfig`): the task's own
+        options (:meth:`config_options`), then how the loop reads and pads the data."""
+        recipe = cls(cfg.model, **cls.config_options(cfg))  # type: ignore[call-arg]
+        recipe.data_options = DataOptions(skip_bad_rows=cfg.skip_bad_rows, cache_dir=cfg.cache_dir)
+        recipe.padding = cfg.padding
+        # a length the user asked for is refused past the model's positions (a default is lowered)
+        recipe.max_seq_len_given = bool(cfg.max_seq_len or cfg.seq_len)
+        return recipe
+
+    @classmethod
+    def config_options(cls, cfg: Any) -> dict[str, Any]:
+        """This task's keyword options (after the model) from a run's settings; each recipe
+        picks its own."""
+        return {}
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         build = cls.__dict__.get("build")
@@ -102,10 +120,8 @@ class Recipe(abc.ABC):
         if self.max_seq_len <= limit:
             return
         if self._max_seq_len_asked():
-            raise UsageError(
-                f"--max-seq-len: {self.max_seq_len} is beyond the {limit} positions "
-                f"{self.model_name} can use; use --max-seq-len {limit} or less"
-            )
+            problem = positions_problem("--max-seq-len", self.max_seq_len, limit, self.model_name)
+            raise UsageError(problem or f"--max-seq-len: {self.max_seq_len}")
         self.max_seq_len = limit
         model = getattr(self, "model", None)
         if model is not None and hasattr(model, "max_seq_length"):

@@ -55,6 +55,15 @@ class CausalLMRecipe(Recipe):
 
     model: Any  # a transformers PreTrainedModel (an nn.Module)
 
+    @classmethod
+    def config_options(cls, cfg: Any) -> dict[str, Any]:
+        return {
+            "text_column": cfg.text_column,
+            "packing": cfg.packing,
+            "attn_implementation": cfg.attn_implementation,
+            "max_seq_len": cfg.max_seq_len or cfg.seq_len or 512,
+        }
+
     def __init__(
         self,
         model: str,

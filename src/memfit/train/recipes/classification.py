@@ -29,14 +29,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from memfit.data.labels import LabelRule, canonical_label, label_values
 from memfit.data.rows import (
     LENGTH,
     Column,
     DataError,
-    LabelRule,
     RowTable,
-    canonical_label,
-    label_values,
     read_rows,
     row_error,
     text_of,
@@ -131,6 +129,18 @@ class ClassificationRecipe(Recipe):
     greater_is_better: ClassVar[bool] = True
 
     model: Any  # a transformers PreTrainedModel (an nn.Module)
+
+    @classmethod
+    def config_options(cls, cfg: Any) -> dict[str, Any]:
+        return {
+            "text_column": cfg.text_column,
+            "label_column": cfg.label_column,
+            "attn_implementation": cfg.attn_implementation,
+            "max_seq_len": cfg.max_seq_len or cfg.seq_len or 128,
+            "labels": cfg.labels,
+            "num_labels": cfg.num_labels,
+            "text_pair_column": cfg.text_pair_column,
+        }
 
     def __init__(
         self,

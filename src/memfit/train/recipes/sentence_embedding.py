@@ -97,6 +97,15 @@ class SentenceEmbeddingRecipe(Recipe):
 
     model: Any  # a SentenceTransformer (an nn.Module)
 
+    @classmethod
+    def config_options(cls, cfg: Any) -> dict[str, Any]:
+        return {
+            "anchor_column": cfg.anchor_column,
+            "positive_column": cfg.positive_column,
+            "loss": cfg.loss or "mnrl",
+            "max_seq_len": cfg.max_seq_len or cfg.seq_len or 128,
+        }
+
     def __init__(
         self,
         model: str,

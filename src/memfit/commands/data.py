@@ -1,0 +1,66 @@
+"""``memfit data profile``: a data set's lengths in tokens
+(:class:`memfit.plan.data_profile.DataProfile`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from memfit import progress
+from memfit.errors import UsageError
+
+app = typer.Typer(
+    name="data",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.callback()
+def data_command() -> None:
+    """Look at training data before a run: its lengths in tokens."""
+
+
+@app.command("profile")
+def data_profile_command(
+    file: Annotated[
+        str,
+        typer.Argument(
+            help="CSV/TSV/JSONL/JSON/Parquet file (.gz for text formats), a folder of them, "
+            "or a datasets save_to_disk folder."
+        ),
+    ],
+    model: Annotated[
+        str | None, typer.Option(help="A local model folder: its tokenizer is used.")
+    ] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="A local tokenizer folder.")] = None,
+    text_column: Annotated[
+        str, typer.Option(help="Text column(s), comma-separated: a row counts its longest.")
+    ] = "text",
+    max_seq_len: Annotated[
+        int | None,
+        typer.Option(help="Report what truncating (and padding) to this many tokens does."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes."""
+    if model is not None and tokenizer is not None:
+        raise UsageError("give --model or --tokenizer, not both (--tokenizer alone is enough)")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
+    with progress.status("loading transformers", subject=f"memfit data profile {file}"):
+        from memfit.plan.data_profile import DataProfile, tokenizer_folder
+
+        folder = tokenizer_folder(model, tokenizer, model_flag="--model")
+        columns = [c.strip() for c in text_column.split(",") if c.strip()]
+        progress.report("reading and tokenizing every row")
+        profile = DataProfile.from_file(file, columns, folder, flag="FILE")
+    if as_json:
+        typer.echo(json.dumps(profile.to_dict(max_seq_len)))
+    else:
+        for line in profile.summary_lines(max_seq_len):
+            typer.echo(line)

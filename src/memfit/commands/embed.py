@@ -1,0 +1,78 @@
+"""``memfit embed``: sentence embeddings of every row (:func:`memfit.infer.embed.embed`),
+OOM-guarded; the summary line to stderr. Errors become :mod:`memfit.cli`'s one-line messages and
+exit codes (2 for bad input or usage, 3 when a row does not fit even alone)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from memfit import progress
+from memfit.commands._options import (
+    BatchSize,
+    CacheDir,
+    Device,
+    Events,
+    File,
+    GpuMemory,
+    IdColumn,
+    MaxSeqLen,
+    MemoryCap,
+    ModelDir,
+    Opt,
+    Precision,
+    TextColumn,
+)
+
+
+def embed_command(
+    model_dir: ModelDir,
+    file: File,
+    output: Annotated[
+        str, Opt(help="OUT.npy (float32 matrix) or OUT.parquet (row, id, embedding).")
+    ],
+    text_column: TextColumn = "text",
+    id_column: IdColumn = None,
+    batch_size: BatchSize = None,
+    gpu_memory: GpuMemory = None,
+    memory_cap: MemoryCap = None,
+    device: Device = None,
+    max_seq_len: MaxSeqLen = None,
+    precision: Precision = "fp32",
+    prompt_name: Annotated[
+        str | None, Opt(help="A prompt of the model's prompts (default: its default prompt).")
+    ] = None,
+    normalize: Annotated[bool, Opt("--normalize", help="Unit-length embeddings.")] = False,
+    events: Events = None,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Sentence embeddings of every row (sentence-transformers), OOM-guarded."""
+    # on screen before torch is imported; the run prints nothing until its summary line
+    with progress.status(
+        "loading torch and sentence-transformers", subject=f"memfit embed {model_dir}"
+    ):
+        from memfit.infer.embed import embed
+        from memfit.infer.run import InferConfig
+
+        progress.report(f"loading the model, embedding every row of {file}")
+        result = embed(
+            InferConfig(
+                model=model_dir,
+                file=file,
+                output=output,
+                text_column=text_column,
+                id_column=id_column,
+                batch_size=batch_size,
+                gpu_memory=gpu_memory,
+                memory_cap=memory_cap,
+                device=device,
+                max_seq_len=max_seq_len,
+                precision=precision,
+                prompt_name=prompt_name,
+                normalize=normalize,
+                events=events,
+                cache_dir=cache_dir,
+            )
+        )
+    typer.echo(result.summary(), err=True)

@@ -1,0 +1,210 @@
+"""``memfit plan``: fit a job into a memory budget, its effective batch kept
+(:func:`memfit.plan.plan`); the plan printed, as JSON, or written as a run config for
+``memfit train``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from memfit import progress
+from memfit.commands._options import KNOB, TraceDepth, job_knobs
+from memfit.config import write_config as write_run_config
+from memfit.errors import UsageError
+from memfit.job import round_seq_len
+from memfit.paths import check_writable_file
+from memfit.report.console import print_plan
+
+if TYPE_CHECKING:
+    from memfit.plan import DataProfile
+
+
+@job_knobs
+def plan_command(
+    model: Annotated[str, typer.Argument(help="A known name, a model folder or a config.json.")],
+    *,
+    task: str = KNOB,
+    effective_batch_size: Annotated[
+        int, typer.Option(help="Samples per optimizer step, over all GPUs: kept exactly.")
+    ],
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per sample (padded length); with --train-file, default: its longest sample."
+        ),
+    ] = None,
+    gpu_memory: Annotated[
+        str | None, typer.Option(help="The budget, e.g. 16GiB (2^30) or 16GB (10^9).")
+    ] = None,
+    gpu: Annotated[
+        str | None, typer.Option(help="A catalog GPU (memfit gpus): its memory and speed.")
+    ] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="Pin fp32 | fp16 | bf16 (default: the plan chooses).")
+    ] = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(help="sentence-embedding: mnrl (default) | cosent | cosine | softmax"),
+    ] = None,
+    num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
+    world_size: Annotated[
+        int, typer.Option(help="GPUs sharing the effective batch (the budget is per GPU).")
+    ] = 1,
+    sharding: Annotated[
+        str,
+        typer.Option(
+            help="How the GPUs divide the model: none | zero1 | zero2 | zero3 (DeepSpeed) | fsdp."
+        ),
+    ] = "none",
+    allow: Annotated[
+        str | None,
+        typer.Option(
+            help="Levers that change the recipe, comma-separated: optimizer,truncation,lora"
+        ),
+    ] = None,
+    train_file: Annotated[
+        str | None,
+        typer.Option(help="Training data (file or folder, as memfit train reads) for lengths."),
+    ] = None,
+    text_column: Annotated[
+        str, typer.Option(help="Text column(s) of --train-file, comma-separated.")
+    ] = "text",
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="A local tokenizer folder for --train-file (default: MODEL's folder)."),
+    ] = None,
+    safety_margin: Annotated[
+        float, typer.Option(help="Share of the budget kept free (0.05 = 5 %).")
+    ] = 0.05,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    write_config: Annotated[
+        str | None, typer.Option(help="Write the plan as a YAML run config for memfit train.")
+    ] = None,
+    trace_depth: TraceDepth = "auto",
+) -> None:
+    """Fit a fine-tuning job into a memory budget, effective batch kept; exit 3 if nothing fits."""
+    if write_config is not None:
+        # a folder that is missing or read-only fails now, not after the plan's traces
+        check_writable_file(write_config, "--write-config")
+    levers = [a for a in (allow or "").split(",") if a.strip()]
+    columns = [c.strip() for c in text_column.split(",") if c.strip()]
+    if train_file is None and seq_len is None:
+        raise UsageError(
+            "--seq-len is required (or give --train-file to take it from the data's longest sample)"
+        )
+    if train_file is None and (tokenizer or text_column != "text"):
+        raise UsageError("--text-column and --tokenizer describe --train-file: give it too")
+    if train_file is not None and not columns:
+        raise UsageError("--text-column: give at least one column name")
+    # on screen before torch is imported; the estimates the plan runs refine it
+    with progress.status("loading torch and transformers", subject=f"memfit plan {model}"):
+        from memfit.plan import plan
+
+        profile, tokenizer, seq_len, seq_len_note = _data_lengths(
+            model, train_file, columns, tokenizer, seq_len
+        )
+        budget = gpu_memory or gpu or "this machine's GPU"
+        progress.report(f"fitting batch {effective_batch_size} × {seq_len} tokens into {budget}")
+        result = plan(
+            model,
+            task=task,
+            seq_len=seq_len,
+            effective_batch_size=effective_batch_size,
+            gpu_memory=gpu_memory,
+            gpu=gpu,
+            loss=loss,
+            world_size=world_size,
+            sharding=sharding,
+            allow=levers,
+            precision=precision,
+            data_profile=profile,
+            safety_margin=safety_margin,
+            num_labels=num_labels,
+            trace_depth=trace_depth,
+        )
+    if seq_len_note is not None:
+        result.explanation.insert(0, seq_len_note)
+    if write_config is not None and result.chosen is not None:
+        job = {"model": model, "task": task, "num_labels": num_labels, "seq_len": seq_len}
+        data = {"train_file": train_file, "columns": columns, "tokenizer": tokenizer}
+        _write_plan(write_config, result, job, effective_batch_size, data, safety_margin)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        print_plan(result)
+        if write_config is not None and result.chosen is not None:
+            typer.echo(f"wrote {write_config}")
+    if not result.fits:
+        if write_config is not None:
+            sys.stderr.write(f"memfit: nothing fits: {write_config} not written\n")
+        raise typer.Exit(3)
+
+
+def _data_lengths(
+    model: str,
+    train_file: str | None,
+    columns: list[str],
+    tokenizer: str | None,
+    seq_len: int | None,
+) -> tuple[DataProfile | None, str | None, int, str | None]:
+    """With --train-file: its length profile and the tokenizer folder that counted them. The
+    sequence length: --seq-len, else the data's longest sample (and a line saying so)."""
+    from memfit.plan.data_profile import DataProfile, tokenizer_folder
+
+    profile = None
+    if train_file is not None:
+        progress.report(f"tokenizing {train_file} for its lengths")
+        tokenizer = tokenizer_folder(model, tokenizer, model_flag="MODEL")
+        profile = DataProfile.from_file(train_file, columns, tokenizer)
+    if seq_len is not None:
+        return profile, tokenizer, seq_len, None
+    assert profile is not None
+    from memfit.models import resolve_model
+
+    max_positions = resolve_model(model).max_positions
+    # a multiple of 8 keeps tensor-core shapes; the model's positions are a hard limit
+    seq_len = min(round_seq_len(profile.max_length), max_positions)
+    note = (
+        f"--seq-len {seq_len}: the longest sample of {train_file} has {profile.max_length} "
+        f"tokens (p99 {profile.percentile(99)})"
+        + (
+            f", capped at the model's {max_positions} positions"
+            if seq_len < profile.max_length
+            else (", rounded up to a multiple of 8" if seq_len > profile.max_length else "")
+        )
+    )
+    return profile, tokenizer, seq_len, note
+
+
+def _write_plan(
+    path: str,
+    result: Any,
+    job: dict[str, Any],
+    effective_batch_size: int,
+    data: dict[str, Any],
+    safety_margin: float,
+) -> None:
+    """The chosen plan as a run config for memfit train: the job, the data and the plan's
+    settings, then what it was planned for (memfit train ignores those keys)."""
+    train_file, columns = data["train_file"], data["columns"]
+    config: dict[str, Any] = {
+        "model": job["model"],
+        "task": job["task"],
+        "num_labels": job["num_labels"] if job["task"] == "classification" else None,
+        "seq_len": job["seq_len"],
+        "effective_batch_size": effective_batch_size,
+        "train_file": train_file,
+        "text_column": None
+        if train_file is None
+        else (columns[0] if len(columns) == 1 else columns),
+        "tokenizer": data["tokenizer"],
+        **result.chosen.settings(),
+        "gpu": result.gpu,
+        "budget_bytes": result.budget_bytes,
+        "safety_margin": safety_margin,
+        "predicted_peak_bytes": result.predicted_peak_bytes,
+    }
+    write_run_config(path, {k: v for k, v in config.items() if v is not None})

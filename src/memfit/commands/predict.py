@@ -1,0 +1,77 @@
+"""``memfit predict``: labels and probabilities, or per-row losses, of every row
+(:func:`memfit.infer.predict.predict`), OOM-guarded; the summary line to stderr. Errors become
+:mod:`memfit.cli`'s one-line messages and exit codes (2 for bad input or usage, 3 when a row does
+not fit even alone)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from memfit import progress
+from memfit.commands._options import (
+    BatchSize,
+    CacheDir,
+    Device,
+    Events,
+    File,
+    GpuMemory,
+    IdColumn,
+    MaxSeqLen,
+    MemoryCap,
+    ModelDir,
+    Opt,
+    Precision,
+    TextColumn,
+)
+
+
+def predict_command(
+    model_dir: ModelDir,
+    file: File,
+    output: Annotated[str, Opt(help="OUT.jsonl: one line per input row, in input order.")],
+    task: Annotated[
+        str | None, Opt(help="classification | causal-lm (default: read from MODEL_DIR).")
+    ] = None,
+    text_column: TextColumn = "text",
+    text_pair_column: Annotated[
+        str | None, Opt(help="The second text of a sentence-pair classifier.")
+    ] = None,
+    id_column: IdColumn = None,
+    batch_size: BatchSize = None,
+    gpu_memory: GpuMemory = None,
+    memory_cap: MemoryCap = None,
+    device: Device = None,
+    max_seq_len: MaxSeqLen = None,
+    precision: Precision = "fp32",
+    events: Events = None,
+    cache_dir: CacheDir = None,
+) -> None:
+    """Labels and probabilities (classifier) or per-row loss (causal LM), OOM-guarded."""
+    # on screen before torch is imported; the run prints nothing until its summary line
+    with progress.status("loading torch and transformers", subject=f"memfit predict {model_dir}"):
+        from memfit.infer.predict import predict
+        from memfit.infer.run import InferConfig
+
+        progress.report(f"loading the model, predicting every row of {file}")
+        result = predict(
+            InferConfig(
+                model=model_dir,
+                file=file,
+                output=output,
+                task=task,
+                text_column=text_column,
+                text_pair_column=text_pair_column,
+                id_column=id_column,
+                batch_size=batch_size,
+                gpu_memory=gpu_memory,
+                memory_cap=memory_cap,
+                device=device,
+                max_seq_len=max_seq_len,
+                precision=precision,
+                events=events,
+                cache_dir=cache_dir,
+            )
+        )
+    typer.echo(result.summary(), err=True)

@@ -1,0 +1,245 @@
+"""``memfit train``: fine-tuning under the OOM guard (:func:`memfit.train.train`). Its flags are
+:class:`~memfit.train.TrainConfig`'s fields (type, default and help line from the field), merged
+over a run config file and the managed service's environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import typing
+from typing import Annotated, Any
+
+import typer
+
+from memfit import progress
+from memfit.commands._options import field_parameter, train_setup_status, with_parameters
+from memfit.config import load_config
+from memfit.errors import UsageError
+from memfit.job import JOB_FIELDS, flag_of, parse_target_modules
+from memfit.paths import check_writable_dir
+from memfit.runtime import launched_world_size
+from memfit.train.config import INHERITED_HELP, TrainConfig
+from memfit.train.sagemaker import environment_settings, publish_model
+from memfit.units import parse_size
+
+# the order memfit train --help lists its flags in (a flag not named here follows, in field order)
+FLAG_ORDER = (
+    "task", "model", "train_file", "eval_file", "output_dir", "text_column", "label_column",
+    "text_pair_column", "anchor_column", "positive_column", "loss", "packing",
+    "effective_batch_size", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
+    "lr_scheduler", "max_grad_norm", "optimizer", "seed", "gpu_memory", "memory_cap",
+    "save_every", "save_total_limit", "eval_every", "resume", "device", "micro_batch_size",
+    "gradient_accumulation_steps", "world_size", "sharding", "precision",
+    "gradient_checkpointing", "max_seq_len", "mini_batch_size", "max_tokens_per_micro_batch",
+    "labels", "num_labels", "skip_bad_rows", "cache_dir", "group_by_length", "probe", "padding",
+    "memory_snapshot", "lora_rank", "lora_target_modules", "merge_lora", "report_to",
+)  # fmt: skip
+# a planned config's keys that describe the plan, not the run
+PLAN_ONLY_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes", "tokenizer")
+
+ConfigFile = Annotated[
+    str | None,
+    typer.Argument(help="A run config (memfit plan --write-config); flags override it."),
+]
+
+
+def _flag_fields() -> list[dataclasses.Field[Any]]:
+    """TrainConfig's fields that are flags of memfit train, in :data:`FLAG_ORDER`."""
+    fields = [
+        f
+        for f in dataclasses.fields(TrainConfig)
+        if (INHERITED_HELP.get(f.name) if f.name in JOB_FIELDS else f.metadata.get("cli", True))
+    ]
+    rank = {name: k for k, name in enumerate(FLAG_ORDER)}
+    return sorted(fields, key=lambda f: rank.get(f.name, len(rank)))
+
+
+FLAG_FIELDS = _flag_fields()
+
+
+def _switch(f: dataclasses.Field[Any]) -> bool:
+    """A boolean flag given alone (``--merge-lora``), off by default."""
+    return f.metadata.get("negatable") is False
+
+
+def _parameter(f: dataclasses.Field[Any], hint: Any) -> inspect.Parameter:
+    """The flag of field ``f``: None (not given) by default, so that a config file's value
+    stands; a switch is False, and --resume (this invocation's, not the file's) shows it."""
+    help = INHERITED_HELP.get(f.name) if f.name in JOB_FIELDS else None
+    if _switch(f) or f.name == "resume":
+        return field_parameter(f, bool, help=help, default=False)
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    kind = kinds[0] if len(kinds) == 1 else hint
+    if f.metadata.get("size") or typing.get_origin(kind) is list:
+        kind = str  # 16GiB; a, b (comma-separated)
+    return field_parameter(f, kind | None, help=help, default=None)
+
+
+def _given(knobs: dict[str, Any]) -> dict[str, Any]:
+    """The flags given on the command line, as TrainConfig's values (sizes in bytes, lists)."""
+    given: dict[str, Any] = {}
+    for f in FLAG_FIELDS:
+        value = knobs[f.name]
+        if value is None or (value is False and _switch(f)) or f.name == "resume":
+            continue
+        if f.name == "lora_target_modules":
+            value = parse_target_modules(value)
+        elif f.metadata.get("comma_list"):
+            value = [x.strip() for x in value.split(",")]
+        given[f.name] = value
+    for f in FLAG_FIELDS:
+        if f.metadata.get("size") and f.name in given:
+            given[f.name] = parse_size(given[f.name], name=flag_of(f))
+    return given
+
+
+# the seeds memfit train accepts: numpy's legacy seeding takes < 2**32, torch < 2**64 (and the
+# run seeds its data order with seed × 1,000,003 + epoch, which must stay below 2**64 too)
+MAX_SEED = 2**32 - 1
+
+
+def _batch_settings(settings: dict[str, Any], default_effective: int) -> None:
+    """Settle the batch keys in ``settings`` (flags, config file and environment merged): the
+    micro-batch, the accumulation steps and the effective batch must agree where all are given
+    (micro × accumulation × ranks = effective); a missing one follows from the others (the
+    effective batch, else ``default_effective``). The accumulation steps then leave ``settings``:
+    the run derives them from the other two."""
+    micro = settings.get("micro_batch_size")
+    steps = settings.pop("gradient_accumulation_steps", None)
+    effective = settings.get("effective_batch_size")
+    world = settings.get("world_size") or launched_world_size()
+    if steps is None:
+        if effective is None and micro:
+            # a planned config names the micro-batch; the effective batch follows from it
+            settings["effective_batch_size"] = int(micro) * int(world)
+        return
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise UsageError(f"--gradient-accumulation-steps: must be ≥ 1, got {steps}")
+    if not all(isinstance(x, int) for x in (micro or 0, effective or 0, world)):
+        return  # a setting of the wrong kind: the run's own checks name it
+    ranks = f" × {world} ranks (--world-size)" if world > 1 else ""
+    if micro is None:
+        # the accumulation steps pin the micro-batch: the effective batch ÷ (steps × ranks)
+        total = effective if effective is not None else default_effective
+        per_step = steps * world
+        if total % per_step:
+            raise UsageError(
+                f"--gradient-accumulation-steps {steps}{ranks} does not divide "
+                f"--effective-batch-size {total}; give an effective batch that is a multiple "
+                f"of {per_step}, or leave --gradient-accumulation-steps out"
+            )
+        settings["micro_batch_size"] = total // per_step
+        return
+    product = micro * steps * world
+    if effective is None:
+        settings["effective_batch_size"] = product
+    elif effective != product:
+        raise UsageError(
+            f"--micro-batch-size {micro} × --gradient-accumulation-steps {steps}{ranks} = "
+            f"{product}, but --effective-batch-size is {effective}; make them agree, or leave "
+            "one of the three out (it follows from the other two)"
+        )
+
+
+def _settings(config: str | None, knobs: dict[str, Any]) -> dict[str, Any]:
+    """TrainConfig's keyword arguments: the managed service's environment, then the config
+    file, then the flags given, each over the one before."""
+    # on SageMaker-style services the job's channels, folders and hyperparameters are the
+    # defaults; the config file and the flags below win over them
+    settings: dict[str, Any] = environment_settings(os.environ, TrainConfig)
+    if config is not None:
+        loaded = load_config(config)
+        for key in (*PLAN_ONLY_KEYS, "num_labels"):
+            loaded.pop(key, None)
+        if isinstance(loaded.get("lora_target_modules"), str):
+            # "attention,mlp" in the file, as on the command line
+            loaded["lora_target_modules"] = parse_target_modules(loaded["lora_target_modules"])
+        settings.update(loaded)
+    given = _given(knobs)
+    if "gradient_accumulation_steps" not in given and any(
+        k in given for k in ("micro_batch_size", "effective_batch_size", "world_size")
+    ):
+        # a flag that changes the batch overrides a planned config's accumulation steps (they
+        # follow from the batch again); only steps given as a flag must agree with it
+        settings.pop("gradient_accumulation_steps", None)
+    settings.update(given)
+    for f in FLAG_FIELDS:
+        if f.metadata.get("zero_is_none") and settings.get(f.name) == 0:
+            settings[f.name] = None
+    # (a dataclass field's default is its class attribute)
+    _batch_settings(settings, TrainConfig.effective_batch_size)
+    return settings
+
+
+def train_command(config: str | None = None, **knobs: Any) -> None:
+    """Fine-tune under the OOM guard: same gradient, no restart, no lost sample."""
+    # flags that are wrong whatever the config file says: refused before the run's setup
+    seed, steps, cache_dir = knobs["seed"], knobs["gradient_accumulation_steps"], knobs["cache_dir"]
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed: must be a whole number from 0 to {MAX_SEED}, got {seed}")
+    if steps is not None and steps < 1:
+        raise UsageError(f"--gradient-accumulation-steps: must be ≥ 1, got {steps}")
+    if cache_dir is not None:
+        check_writable_dir(cache_dir, "--cache-dir")
+    # the model, tokenizing and the plan take seconds to minutes before step 1
+    model = knobs["model"]
+    with train_setup_status(
+        "loading torch and transformers", subject=f"memfit train {model or config or ''}".strip()
+    ):
+        settings = _settings(config, knobs)
+        if settings.get("cache_dir") and cache_dir is None:
+            # from the config file or the environment: checked before the model loads too
+            check_writable_dir(settings["cache_dir"], "--cache-dir")
+        missing = [
+            f"--{k.replace('_', '-')}"
+            for k in ("task", "model", "train_file", "output_dir")
+            if not settings.get(k)
+        ]
+        if missing:
+            raise UsageError(
+                f"memfit train needs {', '.join(missing)} (as flags or in the config file)"
+            )
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(k for k in settings if k not in known)
+        if unknown:
+            raise UsageError(f"{config}: settings memfit train does not take: {', '.join(unknown)}")
+        # --resume, or the environment's (a restarted managed job finds its run folder)
+        resume = knobs["resume"] or bool(settings.pop("resume", False))
+        progress.report(
+            f"loading {settings['model']}, tokenizing {settings['train_file']}, "
+            "planning the micro-batch"
+        )
+        # the run itself loads torch and transformers: under the status line, not at startup
+        from memfit.train.run import train
+
+        result = train(TrainConfig(**settings, resume=resume))
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return  # several ranks: rank 0 reports the run
+    if result.stopped in ("done", "finished"):
+        # "finished": a --resume of a done run (a managed job started again) publishes it too
+        published = publish_model(result.output_dir, os.environ)
+        if published is not None:
+            typer.echo(f"model copied to {published} (SM_MODEL_DIR)")
+    if result.stopped == "signal":
+        typer.echo(
+            f"stopped by a signal after step {result.steps}; a checkpoint is in {result.output_dir}/checkpoints (memfit train ... --resume continues)"
+        )
+    else:
+        metrics = "  ".join(f"{k} {v:.4g}" for k, v in result.eval_metrics.items())
+        typer.echo(
+            f"done: {result.steps} steps, {result.samples_seen} samples; model in {result.output_dir}/model"
+            + (f"; eval: {metrics}" if metrics else "")
+        )
+
+
+_HINTS = typing.get_type_hints(TrainConfig)
+with_parameters(
+    train_command,
+    [
+        inspect.Parameter(
+            "config", inspect.Parameter.KEYWORD_ONLY, annotation=ConfigFile, default=None
+        ),
+        *(_parameter(f, _HINTS[f.name]) for f in FLAG_FIELDS),
+    ],
+)

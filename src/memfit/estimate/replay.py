@@ -1,0 +1,428 @@
+"""Replay a traced step on a model of the device's memory: its peak, and what is alive then.
+
+A trace (:mod:`memfit.estimate.trace`) is a stream of events: allocations and frees of the step's
+tensors, phase marks (forward, backward, optimizer step) and block marks (a layer's forward or
+backward starting or ending). :class:`StepWalk` is the one walk over that stream, for both devices:
+it keeps the bytes alive by category, runs the sharding scheme's buffers and conversions, and
+records the peak of each phase. What an allocation costs is the device's own (:class:`Memory`):
+whole pages on the CPU (:class:`CpuPages`), blocks of CUDA's caching allocator on a GPU
+(:class:`CudaMemory`). The two replays differ only in where the walk starts: the CPU replay starts
+from the steady state's resident tensors and walks one step; the CUDA replay moves the model to the
+GPU and walks two steps (the first creates the optimizer state and warms the allocator's cache),
+reporting the second, and adds what lives outside the allocator (CUDA context, cuBLAS, NCCL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from memfit.devices.profiles import CudaProfile
+from memfit.estimate import device as dev
+from memfit.estimate.sharding import Buffers, ShardLayout
+from memfit.estimate.trace import (
+    ALLOC,
+    BLOCK,
+    CAT,
+    CATEGORIES,
+    FREE,
+    FREE_PREV,
+    MARK,
+    PHASES,
+    Segment,
+    StepTrace,
+)
+from memfit.estimate.workload import StepSpec
+
+__all__ = ["CpuPages", "CudaMemory", "Memory", "Peak", "StepWalk", "replay_step"]
+
+
+@dataclass
+class Peak:
+    """The peak of a replayed step."""
+
+    total_bytes: int
+    breakdown: dict[str, int]
+    phase: str
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int | None
+    context_bytes: int
+    # the highest tensor bytes of each phase (allocated, not reserved, on CUDA)
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+
+_PHASE_NAMES = {PHASES.index("setup"): "forward"} | {
+    i: name for i, name in enumerate(PHASES) if name != "setup"
+}
+
+
+def replay_step(
+    trace: StepTrace,
+    fb: Segment,
+    fb_sizes: list[int],
+    spec: StepSpec,
+    profile: CudaProfile,
+    world_size: int = 1,
+    accumulate: bool = False,
+    shard: ShardLayout | None = None,
+) -> Peak:
+    """Replay the steady step; ``shard`` resizes it for a sharding scheme (one rank's share).
+
+    ``fb`` is the forward/backward segment with ``fb_sizes`` the sizes of its allocations at the
+    shape asked. ``accumulate``: a second forward/backward (a later micro-batch) runs while the
+    first one's gradients are alive; its own gradients are added in place, so each is a transient.
+
+    Without sharding and with several ranks, memfit's data parallelism all-reduces each gradient
+    in place after the step's micro-batches: no second copy of the gradients (torch DDP's reducer
+    would keep one in buckets; ``estimate`` reports its size as ``ddp_bucket_bytes``).
+    """
+    optimizer_segments = (
+        (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
+    )
+    sharded = _Sharded(shard)
+    fb_sizes = sharded.sizes(fb, fb_sizes)
+    if spec.device == "cpu":
+        return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, sharded, accumulate)
+    return _replay_cuda(
+        trace, fb, fb_sizes, optimizer_segments, spec, profile, sharded, world_size, accumulate
+    )
+
+
+class _Sharded:
+    """The replay's view of a :class:`ShardLayout` (or of no sharding at all)."""
+
+    def __init__(self, shard: ShardLayout | None) -> None:
+        self.shard = shard
+        self.buffers = None if shard is None else Buffers(shard)
+
+    def sizes(self, seg: Segment, sizes: list[int]) -> list[int]:
+        return sizes if self.shard is None else self.shard.segment_sizes(seg, sizes)
+
+    def pieces(self, alloc: int, size: int, category: int) -> tuple[tuple[int, int], ...]:
+        if self.shard is None:
+            return ((size, category),)
+        return self.shard.pieces(alloc, size, category)
+
+    def conversions(self, fb: Segment) -> tuple[list[tuple[int, int, int]], int]:
+        """Gradients that shrink as backward ends, and the transient buffer that does it."""
+        if self.shard is None:
+            return [], 0
+        return self.shard.conversions(fb), self.shard.root_reduce_scatter
+
+    def actions(self, kind: int, ref: int) -> list[tuple[str, str, int, int]]:
+        """The scheme's buffers to allocate and free at a phase or block mark, in order."""
+        if self.buffers is None:
+            return []
+        return self.buffers.mark(ref) if kind == MARK else self.buffers.block(ref)
+
+
+# --- the device's memory --------------------------------------------------------------------------
+class Memory(Protocol):
+    """What allocations cost on a device; ``level`` is the measure a peak is taken in."""
+
+    @property
+    def level(self) -> int: ...
+
+    def malloc(self, size: int) -> int:
+        """Allocate ``size`` bytes; the handle to free them with."""
+        ...
+
+    def free(self, handle: int) -> None: ...
+
+
+class CpuPages:
+    """The CPU's allocator: each allocation takes whole pages (a handle is its size)."""
+
+    def __init__(self) -> None:
+        self.level = 0  # the bytes the process holds for tensors
+
+    def malloc(self, size: int) -> int:
+        # an allocation a sharding scheme removed (a weight cast) takes nothing
+        if size:
+            self.level += dev.cpu_allocation_bytes(size)
+        return size
+
+    def free(self, handle: int) -> None:
+        if handle:
+            self.level -= dev.cpu_allocation_bytes(handle)
+
+
+_NONE = -1  # the handle of an allocation a sharding scheme removed
+
+
+class CudaMemory:
+    """CUDA's caching allocator; ``level`` is its allocated bytes (the reserved ones are its own)."""
+
+    def __init__(self) -> None:
+        self.allocator = dev.CachingAllocator()
+
+    @property
+    def level(self) -> int:
+        return self.allocator.allocated
+
+    def malloc(self, size: int) -> int:
+        return self.allocator.malloc(size) if size else _NONE
+
+    def free(self, handle: int) -> None:
+        if handle != _NONE:
+            self.allocator.free(handle)
+
+    def reset_peaks(self) -> None:
+        """Forget the maxima so far (a warm-up step's)."""
+        allocator = self.allocator
+        allocator.max_allocated, allocator.max_reserved = allocator.allocated, allocator.reserved
+
+
+# --- the walk -------------------------------------------------------------------------------------
+class StepWalk:
+    """The walk over a replay's events, on ``memory``: bytes by category, and the peak of each phase.
+
+    ``trace`` and ``fb`` (its forward/backward segment, with ``fb_sizes``) are what is replayed;
+    ``sharded`` resizes it and adds the scheme's buffers. ``tracking`` off (a warm-up step) walks
+    without recording peaks. ``measure_buffer_frees``: a peak is also measured after a scheme's
+    buffer is freed (the CPU replay's way: it changes the first measurement of a phase that starts
+    with a free), not only after an allocation.
+    """
+
+    def __init__(
+        self,
+        trace: StepTrace,
+        fb: Segment,
+        fb_sizes: list[int],
+        sharded: _Sharded,
+        memory: Memory,
+        *,
+        measure_buffer_frees: bool,
+    ) -> None:
+        self.trace = trace
+        self.fb = fb
+        self.fb_sizes = fb_sizes
+        self.sharded = sharded
+        self.memory = memory
+        self.measure_buffer_frees = measure_buffer_frees
+        self.raw = [0] * len(CATEGORIES)  # the bytes alive, by category
+        self.handles: dict[int, list[int]] = {}  # global id -> the handles of its pieces
+        self.buffer_handles: dict[str, int] = {}  # a scheme's buffer -> its handle
+        self.phase = "forward"
+        self.tracking = True
+        self.phases: dict[str, int] = {}
+        self.best = -1
+        self.best_raw = list(self.raw)
+        self.best_phase = self.phase
+        self.conversions, self.conversion_buffer = sharded.conversions(fb)
+        # fb's sizes once backward is over (the optimizer frees these)
+        self.fb_after = list(fb_sizes)
+        for j, _, after in self.conversions:
+            self.fb_after[j] = after
+
+    def place(self, ids: Iterable[int]) -> None:
+        """Allocate the resident tensors ``ids`` (global ids), piece by piece."""
+        sizes, cats = self.trace.resident_sizes, self.trace.resident_categories
+        for g in ids:
+            self.handles[g] = []
+            for size, cat in self.sharded.pieces(g, sizes[g], cats[g]):
+                self.handles[g].append(self.memory.malloc(size))
+                self.raw[cat] += size
+
+    def start_peak(self, level: int) -> None:
+        """The peak so far is ``level``, with what is alive now."""
+        self.best, self.best_raw, self.best_phase = level, list(self.raw), self.phase
+
+    def track(self) -> None:
+        # called on every allocation: keep the common case cheap
+        if not self.tracking:
+            return
+        level = self.memory.level
+        phase = self.phase
+        if level > self.phases.get(phase, 0):
+            self.phases[phase] = level
+            if level > self.best:
+                self.best, self.best_raw, self.best_phase = level, list(self.raw), phase
+
+    def step(
+        self,
+        opt: Segment | None,
+        opt_sizes: list[int] | None,
+        globals_: list[int] | None = None,
+        accumulate: bool = False,
+    ) -> None:
+        """Forward and backward, then (training: ``opt``) the optimizer step.
+
+        ``globals_``: the global id of each of ``opt``'s allocations, for the first optimizer step
+        (its state stays for the next). ``accumulate``: a later micro-batch runs in between.
+        """
+        fb_handles = self.run(self.fb, self.fb_sizes)
+        if opt is None:
+            return
+        assert opt_sizes is not None
+        self.convert(fb_handles)
+        if accumulate:
+            self.run(self.fb, self.fb_sizes, transient_grads=True)
+            # the later micro-batch's root gradients are reduce-scattered as well (added
+            # into the shards in place): the transient run already freed them
+        self.run(opt, opt_sizes, fb_handles, globals_)
+
+    def run(
+        self,
+        seg: Segment,
+        seg_sizes: list[int],
+        prev: list[int] | None = None,
+        globals_: list[int] | None = None,
+        transient_grads: bool = False,
+    ) -> list[int]:
+        """Walk one segment; the handles of its allocations. ``prev``: those of ``fb``.
+
+        ``transient_grads``: a later micro-batch of an accumulated step, whose gradients are
+        computed and added in place into the first micro-batch's (alive all along).
+        """
+        malloc, free, track, raw = self.memory.malloc, self.memory.free, self.track, self.raw
+        local = [0] * len(seg_sizes)
+        seg_cats = seg.categories
+        grads = CAT["gradients"]
+        for kind, ref in seg.events:
+            if kind == ALLOC:
+                size = seg_sizes[ref]
+                local[ref] = malloc(size)
+                raw[seg_cats[ref]] += size
+                if globals_ is not None:
+                    self.handles[globals_[ref]] = [local[ref]]
+                track()
+                if transient_grads and seg_cats[ref] == grads:
+                    free(local[ref])
+                    raw[grads] -= size
+                continue
+            if transient_grads and kind == FREE and seg_cats[ref] == grads:
+                continue
+            elif kind in (MARK, BLOCK):
+                self._mark(kind, ref)
+            elif kind == FREE:
+                free(local[ref])
+                raw[seg_cats[ref]] -= seg_sizes[ref]
+            elif kind == FREE_PREV:
+                assert prev is not None
+                free(prev[ref])
+                raw[self.fb.categories[ref]] -= self.fb_after[ref]
+            else:
+                # a resident tensor (parameter, optimizer state) the step frees
+                sizes, cats = self.trace.resident_sizes, self.trace.resident_categories
+                for handle in self.handles[ref]:
+                    free(handle)
+                for size, cat in self.sharded.pieces(ref, sizes[ref], cats[ref]):
+                    raw[cat] -= size
+        return local
+
+    def _mark(self, kind: int, ref: int) -> None:
+        if kind == MARK:
+            self.phase = _PHASE_NAMES[ref]
+        for action, name, size, cat in self.sharded.actions(kind, ref):
+            # a sharding scheme's buffer: gathered parameters, reduce buckets
+            if action == "alloc":
+                self.buffer_handles[name] = self.memory.malloc(size)
+                self.raw[cat] += size
+                self.track()
+            else:
+                self.memory.free(self.buffer_handles.pop(name))
+                self.raw[cat] -= size
+                if self.measure_buffer_frees:
+                    self.track()
+
+    def convert(self, fb_handles: list[int]) -> None:
+        """Backward ends: FSDP's root reduce-scatters its whole gradients into fp32 shards
+        through a reduce-scatter input, then frees them."""
+        if not self.conversions:
+            return
+        memory, raw, grads = self.memory, self.raw, CAT["gradients"]
+        buffer = memory.malloc(self.conversion_buffer)
+        raw[grads] += self.conversion_buffer
+        self.track()
+        for j, before, after in self.conversions:
+            memory.free(fb_handles[j])
+            fb_handles[j] = memory.malloc(after)
+            raw[grads] += after - before
+        memory.free(buffer)
+        raw[grads] -= self.conversion_buffer
+
+    def breakdown(self) -> dict[str, int]:
+        """The bytes of each category at the peak."""
+        return {name: self.best_raw[i] for i, name in enumerate(CATEGORIES)}
+
+
+# --- the two devices ------------------------------------------------------------------------------
+def _replay_cpu(
+    trace: StepTrace,
+    fb: Segment,
+    fb_sizes: list[int],
+    opt: Segment | None,
+    spec: StepSpec,
+    sharded: _Sharded,
+    accumulate: bool = False,
+) -> Peak:
+    """The steady-state step on the CPU: resident tensors, then forward/backward and optimizer."""
+    pages = CpuPages()
+    walk = StepWalk(trace, fb, fb_sizes, sharded, pages, measure_buffer_frees=True)
+    walk.place(trace.steady if spec.mode == "train" else trace.initial)
+    walk.start_peak(pages.level)
+    opt_sizes = None if opt is None else sharded.sizes(opt, opt.sizes)
+    walk.step(opt, opt_sizes, accumulate=accumulate)
+    breakdown = walk.breakdown()
+    best = walk.best
+    breakdown["allocator_overhead"] = best - sum(walk.best_raw)
+    breakdown["runtime_overhead"] = 0
+    return Peak(best, breakdown, walk.best_phase, best, None, 0, walk.phases)
+
+
+def _replay_cuda(
+    trace: StepTrace,
+    fb: Segment,
+    fb_sizes: list[int],
+    optimizer_segments: tuple[Segment | None, Segment | None],
+    spec: StepSpec,
+    profile: CudaProfile,
+    sharded: _Sharded,
+    world_size: int,
+    accumulate: bool = False,
+) -> Peak:
+    """Two steps on CUDA's caching allocator (the first warms it); the second's peak."""
+    memory = CudaMemory()
+    allocator = memory.allocator
+    walk = StepWalk(trace, fb, fb_sizes, sharded, memory, measure_buffer_frees=False)
+    # the model is moved to the GPU parameter by parameter
+    walk.place(trace.initial)
+    # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process.
+    # Handles are per thread: backward runs on the autograd engine's device thread, whose first
+    # matmul creates a second workspace
+    threads = 2 if spec.mode == "train" else 1
+    workspace = threads * (profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes)
+    for _ in range(threads):
+        allocator.malloc(profile.cublas_workspace_bytes)
+        if profile.cublaslt_workspace_bytes:
+            allocator.malloc(profile.cublaslt_workspace_bytes)
+    walk.start_peak(-1)
+    walk.tracking = False
+    if spec.mode == "train":
+        first_opt, steady_opt = optimizer_segments
+        assert first_opt is not None and steady_opt is not None
+        # step 1 creates the optimizer state; step 2 is the steady state we report
+        first_sizes = sharded.sizes(first_opt, first_opt.sizes)
+        steady_sizes = sharded.sizes(steady_opt, steady_opt.sizes)
+        walk.step(first_opt, first_sizes, trace.first_optimizer_globals, accumulate)
+        memory.reset_peaks()
+        walk.tracking = True
+        walk.step(steady_opt, steady_sizes, None, accumulate)
+    else:
+        walk.step(None, None)  # a first batch warms the cache
+        memory.reset_peaks()
+        walk.tracking = True
+        walk.step(None, None)
+    breakdown = walk.breakdown()
+    reserved = allocator.max_reserved
+    breakdown["allocator_overhead"] = reserved - sum(walk.best_raw) - workspace
+    # NCCL's communicator buffers live outside the caching allocator
+    nccl = profile.nccl_bytes if world_size > 1 else 0
+    context = profile.context_for(spec.mode, spec.precision, spec.attn_implementation)
+    breakdown["runtime_overhead"] = context + workspace + nccl
+    total = reserved + context + nccl
+    return Peak(
+        total, breakdown, walk.best_phase, allocator.max_allocated, reserved, context, walk.phases
+    )

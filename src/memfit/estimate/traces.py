@@ -1,0 +1,357 @@
+"""The traces of a model and knobs: traced once, at the depth chosen, and kept in memory and on disk.
+
+A :class:`Traced` holds the trace of one model and set of knobs (:class:`StepSpec`) and its shape fit;
+it replays any (batch size, sequence length) in milliseconds, tracing a variant the first time a
+kind of shape its fit does not cover is asked (a batch of one, a misaligned length), or the very
+shape where the fit cannot be trusted. :func:`traced` keeps them per model and knobs in this
+process (and in the disk cache, :mod:`memfit.estimate.cache`); :func:`trace_model` chooses how deep
+to trace (:mod:`memfit.estimate.depth`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit.devices.profiles import CudaProfile, cuda_profile
+from memfit.estimate import workload
+from memfit.estimate.cuda_modes import trace_modes
+from memfit.estimate.fit import FittedSegment, fit_trace, grid_shapes
+from memfit.estimate.replay import Peak, replay_step
+from memfit.estimate.sharding import layout as sharding_layout
+from memfit.estimate.trace import StepTrace, trace_steps
+from memfit.estimate.workload import StepSpec
+
+__all__ = [
+    "NotTraced",
+    "Traced",
+    "clear_cache",
+    "hidden_size",
+    "only_cached",
+    "save_traces",
+    "trace_model",
+    "traced",
+]
+
+
+@dataclass
+class Traced:
+    """A model and knobs, traced once; replays any (batch size, sequence length)."""
+
+    config: Any
+    spec: StepSpec
+    trace: StepTrace
+    fitted: FittedSegment | None
+    profile: CudaProfile
+    trace_seconds: float
+    method: str = "fitted"
+    max_positions: int = 512
+    variant_key: tuple[bool, bool] | None = None
+    # the (batch of one, aligned length) kind of shape this trace fits itself: the kind the first
+    # estimate asked for (a batch-1 job traces the batch-1 fit only)
+    home_key: tuple[bool, bool] = (False, True)
+    # how deep the model was traced (``details["trace_depth"]``) and what was asked
+    depth: dict[str, Any] = field(default_factory=dict)
+    trace_depth: str = "auto"
+    _exact: dict[tuple[int, int], Traced] = field(default_factory=dict)
+    _variants: dict[tuple[bool, bool], Traced] = field(default_factory=dict)
+    _dirty: bool = True  # traced (or extended) since the disk cache last saw it
+
+    def changed(self) -> bool:
+        """True when this trace or a variant of it is newer than the disk cache's copy."""
+        nested = [*self._variants.values(), *self._exact.values()]
+        return self._dirty or any(t.changed() for t in nested)
+
+    def mark_saved(self) -> None:
+        self._dirty = False
+        for t in [*self._variants.values(), *self._exact.values()]:
+            t.mark_saved()
+
+    def replay(
+        self,
+        batch_size: int,
+        seq_len: int,
+        world_size: int = 1,
+        profile: CudaProfile | None = None,
+        accumulate: bool = False,
+        sharding: str = "none",
+    ) -> Peak:
+        variant = self._variant(batch_size, seq_len)
+        if variant is not self:
+            return variant.replay(batch_size, seq_len, world_size, profile, accumulate, sharding)
+        if self.fitted is None:
+            exact = self._exact_trace(batch_size, seq_len)
+            return exact.replay(batch_size, seq_len, world_size, profile, accumulate, sharding)
+        fb_sizes = self.fitted.sizes(batch_size, seq_len).tolist()
+        shard = None
+        if sharding != "none":
+            # a replay-time transform of this very trace: no new trace per scheme or world size
+            shard = sharding_layout(
+                self.trace, self.spec, sharding, world_size, hidden_size=hidden_size(self.config)
+            )
+        return replay_step(
+            self.trace,
+            self.fitted.template,
+            fb_sizes,
+            self.spec,
+            profile or self.profile,
+            world_size,
+            accumulate,
+            shard,
+        )
+
+    def used(self, batch_size: int, seq_len: int) -> Traced:
+        """The trace that answered this shape (a variant's, or an exact one)."""
+        variant = self._variant(batch_size, seq_len)
+        if variant.fitted is None and (batch_size, seq_len) in variant._exact:
+            return variant._exact[(batch_size, seq_len)]
+        return variant
+
+    def _variant(self, batch_size: int, seq_len: int) -> Traced:
+        """The fit that covers this shape: a batch of one, and misaligned lengths, have their own.
+
+        A single sample takes other code paths (views instead of copies); a sequence length that
+        is no multiple of 8 makes CUDA's memory-efficient attention copy its mask.
+        """
+        if self.variant_key is not None:
+            return self
+        key = (batch_size == 1, seq_len % 8 == 0)
+        if key == self.home_key:
+            return self
+        if key not in self._variants:
+            if _ONLY_CACHED.get():
+                raise NotTraced
+            started = time.perf_counter()
+            check, grid, second = grid_shapes(
+                self.max_positions, batch_size=1 if key[0] else None, aligned=key[1]
+            )
+            trace, depth = trace_model(
+                self.config, self.spec, [check, *grid, second], self.trace_depth
+            )
+            fitted = fit_trace(trace)
+            self._dirty = True
+            self._variants[key] = Traced(
+                self.config,
+                self.spec,
+                trace,
+                fitted,
+                self.profile,
+                time.perf_counter() - started,
+                "fitted" if fitted is not None else "exact-trace",
+                self.max_positions,
+                variant_key=key,
+                depth=depth,
+                trace_depth=self.trace_depth,
+            )
+        return self._variants[key]
+
+    def _exact_trace(self, batch_size: int, seq_len: int) -> Traced:
+        # the fit could not be trusted: trace this very shape (seconds, cached per shape)
+        key = (batch_size, seq_len)
+        if key not in self._exact:
+            if _ONLY_CACHED.get():
+                raise NotTraced
+            started = time.perf_counter()
+            trace, depth = trace_model(self.config, self.spec, [key, key], self.trace_depth)
+            exact = Traced(
+                self.config,
+                self.spec,
+                trace,
+                None,
+                self.profile,
+                time.perf_counter() - started,
+                "exact-trace",
+                self.max_positions,
+                variant_key=(batch_size == 1, seq_len % 8 == 0),
+                depth=depth,
+                trace_depth=self.trace_depth,
+            )
+            exact.fitted = _identity_fit(trace)
+            self._exact[key] = exact
+            self._dirty = True
+        return self._exact[key]
+
+
+def hidden_size(config: Any) -> int:
+    """The model's hidden size (DeepSpeed's bucket sizes follow it)."""
+    for name in ("hidden_size", "n_embd", "d_model", "dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1024
+
+
+def _identity_fit(trace: StepTrace) -> FittedSegment:
+    """A 'fit' that returns the traced sizes of the steady step whatever the shape asked."""
+    template = dataclasses.replace(trace.steps[1][1])
+    # the traced sizes are final: no formula to evaluate
+    template.formulas = [None] * len(template.sizes)
+    n = len(template.sizes)
+    coefficients = np.zeros((n, 1, 4))
+    coefficients[:, 0, 0] = template.sizes
+    return FittedSegment(
+        template, coefficients, np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+    )
+
+
+_CACHE: dict[tuple[str, StepSpec, str], Traced] = {}
+_LOCK = threading.Lock()
+
+
+def _disk_load(key: tuple[str, StepSpec, str], config: Any) -> Traced | None:
+    """The trace of ``key`` from the disk cache (data only: see :mod:`memfit.estimate.cache`)."""
+    from memfit.estimate import cache
+
+    path = cache.path_for(key)
+    if path is None or not path.is_file():
+        return None
+    loaded = cache.read(path, key, config, Traced)
+    if loaded is None:
+        return None
+    try:
+        # a file that reads as data may still not replay (a field of the wrong kind): one
+        # replay of a shape it fits proves it, else the model is traced again
+        if loaded.fitted is not None:
+            loaded.replay(*loaded.trace.steps[-1][0])
+    except Exception:
+        return None
+    return loaded
+
+
+def save_traces() -> None:
+    """Write every trace that gained something since it was loaded to the disk cache."""
+    from memfit.estimate import cache
+
+    with _LOCK:
+        for key, entry in _CACHE.items():
+            if not entry.changed():
+                continue
+            path = cache.path_for(key)
+            if path is None:
+                return
+            # written or not (a read-only or full disk), it is not tried again in this process
+            cache.write(path, entry, key)
+            entry.mark_saved()
+
+
+class NotTraced(Exception):
+    """Raised inside :func:`only_cached` when answering would need a new trace."""
+
+
+_ONLY_CACHED: contextvars.ContextVar[bool] = contextvars.ContextVar("only_cached", default=False)
+
+
+@contextlib.contextmanager
+def only_cached() -> Iterator[None]:
+    """Inside it, anything that would need a new trace raises :class:`NotTraced` instead."""
+    token = _ONLY_CACHED.set(True)
+    try:
+        yield
+    finally:
+        _ONLY_CACHED.reset(token)
+
+
+def traced(
+    model_spec: Any,
+    spec: StepSpec,
+    trace_depth: str = "auto",
+    shape: tuple[int, int] | None = None,
+) -> Traced:
+    """The traces of a model and knobs; a first trace fits the kind of ``shape`` asked."""
+    key = (model_spec.cache_key(), spec, trace_depth)
+    with _LOCK:
+        if key not in _CACHE and (loaded := _disk_load(key, model_spec.config)) is not None:
+            _CACHE[key] = loaded
+        if key not in _CACHE and _ONLY_CACHED.get():
+            raise NotTraced
+        if key not in _CACHE:
+            started = time.perf_counter()
+            home = (False, True) if shape is None else (shape[0] == 1, shape[1] % 8 == 0)
+            check, grid, second = grid_shapes(
+                model_spec.max_positions, batch_size=1 if home[0] else None, aligned=home[1]
+            )
+            trace, depth = trace_model(model_spec.config, spec, [check, *grid, second], trace_depth)
+            fitted = fit_trace(trace)
+            _CACHE[key] = Traced(
+                model_spec.config,
+                spec,
+                trace,
+                fitted,
+                cuda_profile(),
+                time.perf_counter() - started,
+                "fitted" if fitted is not None else "exact-trace",
+                model_spec.max_positions,
+                depth=depth,
+                trace_depth=trace_depth,
+                home_key=home,
+            )
+        return _CACHE[key]
+
+
+def trace_model(
+    config: Any, spec: StepSpec, shapes: list[tuple[int, int]], trace_depth: str = "auto"
+) -> tuple[StepTrace, dict[str, Any]]:
+    """Trace ``shapes`` (the first two also run the optimizer); how deep, in ``details``.
+
+    ``auto`` traces two shallow copies of the model and writes out the trace of every layer
+    (:mod:`memfit.estimate.depth`): the same trace, allocation for allocation, in a fraction of
+    the time. Where the layers do not repeat, it traces the whole model and says why.
+    """
+    from memfit import progress
+    from memfit.estimate import depth as depth_
+
+    plan, reason = depth_.plan_depth(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    if trace_depth == "full":
+        reason = "--trace-depth full"
+    elif plan is not None:
+        shallow_a, shallow_b = plan.traced
+        try:
+            progress.report(f"tracing {shallow_a} of {layers} layers ({len(shapes)} shapes)")
+            shallow = _run_trace(depth_.shallow_config(config, plan, shallow_a), spec, shapes)
+            progress.report(f"tracing {shallow_b} of {layers} layers (the check)")
+            deeper = _run_trace(depth_.shallow_config(config, plan, shallow_b), spec, shapes[:2])
+            progress.report(f"writing out the trace of {layers} layers")
+            trace = depth_.extrapolate(shallow, deeper, plan)
+            with torch.device("meta"):
+                depth_.check_model(trace, workload.build_model(config, spec), plan)
+            return trace, {
+                "mode": "extrapolated",
+                "depth": plan.depth,
+                "period": plan.period,
+                "traced_depths": list(plan.traced),
+            }
+        except depth_.NotRepeating as exc:
+            reason = f"the layers do not repeat: {exc}"
+        except Exception as exc:  # a config that cannot be cut short, a shallow model that fails
+            reason = f"a shallow copy could not be traced ({type(exc).__name__}: {exc})"
+    progress.report(f"tracing all {layers} layers ({len(shapes)} shapes)")
+    info: dict[str, Any] = {"mode": "full", "depth": layers, "reason": reason}
+    return _run_trace(config, spec, shapes), info
+
+
+def _run_trace(config: Any, spec: StepSpec, shapes: list[tuple[int, int]]) -> StepTrace:
+    modes = trace_modes(spec)
+    return trace_steps(
+        config,
+        spec,
+        shapes,
+        autocast=modes.autocast,
+        step_modes=modes.step_modes,
+        backward_modes=modes.backward_modes,
+    )
+
+
+def clear_cache() -> None:
+    """Forget every trace (tests use it to time a first trace)."""
+    with _LOCK:
+        _CACHE.clear()

@@ -1,0 +1,226 @@
+"""Read an out-of-memory message (for ``memfit doctor``): its kind and its numbers, in bytes.
+
+The messages come from PyTorch's allocators, in every form they have taken:
+
+* ``cuda-new`` (PyTorch ≥ 2.1, c10/cuda/CUDACachingAllocator.cpp): "CUDA out of memory. Tried to
+  allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB of which 1.06 GiB is free. Including
+  non-PyTorch memory, this process has 14.69 GiB memory in use. Of the allocated memory 10.25 GiB
+  is allocated by PyTorch, and 4.02 GiB is reserved by PyTorch but unallocated. …" (2.1 spelled
+  "capacty"; "Process 1234 has X memory in use." appears once per process when the driver can
+  tell them apart).
+* ``cuda-old`` (PyTorch 1.x, 2.0): "CUDA out of memory. Tried to allocate 256.00 MiB (GPU 0;
+  11.17 GiB total capacity; 10.21 GiB already allocated; 117.81 MiB free; 10.45 GiB reserved in
+  total by PyTorch)" — before 1.4 the last field was "X cached"; with a memory fraction set there
+  is an "X allowed;" field too.
+* ``cuda-bare``: "CUDA error: out of memory" (the CUDA runtime itself failed, e.g. creating the
+  context or inside a library kernel: no numbers).
+* ``cpu`` (c10/core/impl/alloc_cpu.cpp): "DefaultCPUAllocator: can't allocate memory: you tried
+  to allocate N bytes. Error code 12 (Cannot allocate memory)"; on Windows "DefaultCPUAllocator:
+  not enough memory: you tried to allocate N bytes."
+* ``mps`` (aten/src/ATen/mps/MPSAllocator.mm): "MPS backend out of memory (MPS allocated: X,
+  other allocations: Y, max allowed: Z). Tried to allocate W on private pool."
+* ``memfit-cap``: memfit's own CPU memory cap (:mod:`memfit.guard.cap`): "memfit memory cap:
+  tried to hold X, the cap is Y (…)".
+
+Units: PyTorch formats sizes by dividing by powers of 1024 and printing two decimals, so "MiB" and
+"GiB" are 2^20 and 2^30 — and so are the "KB"/"MB"/"GB" of the MPS allocator, whose
+``format_size`` divides by 1024 too but writes the decimal names. Every unit here is binary. A
+printed value is turned into bytes as ``int(round(value * unit))``: the message keeps two decimals,
+so the result is within half a hundredth of the unit of what the allocator saw.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# every unit of PyTorch's OOM messages is binary (see the module docstring)
+_UNITS = {
+    "b": 1,
+    "byte": 1,
+    "bytes": 1,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
+
+# where a message starts; the last one in the text is the one diagnosed
+_ANCHORS = re.compile(
+    r"CUDA out of memory"
+    r"|CUDA error: out of memory"
+    r"|MPS backend out of memory"
+    r"|DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
+    r"|memfit memory cap:",
+    re.IGNORECASE,
+)
+# a message ends before a blank line or a new traceback (wrapped lines are joined)
+_END = re.compile(r"\n\s*\n|Traceback \(most recent call last\)")
+_MAX_MESSAGE_CHARS = 2000
+
+KINDS = ("cuda-new", "cuda-old", "cuda-bare", "cpu", "mps", "memfit-cap", "unknown")
+KIND_TITLES = {
+    "cuda-new": "CUDA out of memory (PyTorch ≥ 2.1 message)",
+    "cuda-old": "CUDA out of memory (PyTorch 1.x / 2.0 message)",
+    "cuda-bare": "CUDA error: out of memory (the CUDA runtime, not PyTorch's allocator)",
+    "cpu": "CPU out of memory (PyTorch's DefaultCPUAllocator)",
+    "mps": "MPS (Apple GPU) out of memory",
+    "memfit-cap": "memfit's CPU memory cap was reached (a simulated out of memory)",
+    "unknown": "out of memory (a message memfit does not know how to read)",
+}
+_NUMERIC_KEYS = (
+    "requested_bytes",
+    "capacity_bytes",
+    "free_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "reserved_unallocated_bytes",
+)
+
+
+def parse_size_text(number: str, unit: str) -> int:
+    """``("10.21", "GiB")`` → bytes, rounded to the nearest byte."""
+    return round(float(number) * _UNITS[unit.lower()])
+
+
+def _size(pattern: str, text: str) -> int | None:
+    """The size that ``pattern`` (with ``{SIZE}`` where the size is) finds in ``text``."""
+    match = re.search(pattern.replace("{SIZE}", _SIZE), text, re.IGNORECASE)
+    return None if match is None else parse_size_text(match.group(1), match.group(2))
+
+
+@dataclass
+class OomReport:
+    """What one out-of-memory message says; ``None`` where it does not say.
+
+    ``derived`` names the fields computed from others (e.g. the new CUDA message gives allocated
+    and reserved-but-unallocated, and reserved is their sum), not read off the message.
+    """
+
+    kind: str
+    message: str
+    gpu: int | None = None
+    requested_bytes: int | None = None
+    capacity_bytes: int | None = None
+    free_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    process_bytes: int | None = None  # "this process has X memory in use" (all of it, CUDA)
+    other_processes_bytes: int | None = None  # "Process N has X" lines beyond the first
+    other_bytes: int | None = None  # MPS "other allocations"
+    allowed_bytes: int | None = None  # a memory fraction's limit
+    derived: list[str] = field(default_factory=list)
+
+    def numbers(self) -> dict[str, int | None]:
+        return {key: getattr(self, key) for key in _NUMERIC_KEYS}
+
+
+def find_oom_message(text: str) -> str | None:
+    """The last out-of-memory message in ``text``, its wrapped lines joined; None if none."""
+    starts = [m.start() for m in _ANCHORS.finditer(text)]
+    if not starts:
+        return None
+    tail = text[starts[-1] :]
+    end = _END.search(tail)
+    if end is not None:
+        tail = tail[: end.start()]
+    return " ".join(tail[:_MAX_MESSAGE_CHARS].split())
+
+
+def parse_oom(text: str) -> OomReport | None:
+    """Parse the last out-of-memory message in ``text`` (a message, a log, a traceback).
+
+    Returns None when there is none. Numbers the message does not give stay None.
+    """
+    message = find_oom_message(text)
+    if message is None:
+        return None
+    lowered = message.lower()
+    if lowered.startswith("cuda out of memory"):
+        return _parse_cuda(message)
+    if lowered.startswith("cuda error: out of memory"):
+        return OomReport(kind="cuda-bare", message=message)
+    if lowered.startswith("mps backend"):
+        return _parse_mps(message)
+    if lowered.startswith("defaultcpuallocator"):
+        requested = _size(r"you tried to allocate {SIZE}", message)
+        if requested is None:  # the bare byte count, without a unit word
+            match = re.search(r"you tried to allocate (\d+)", message)
+            requested = int(match.group(1)) if match else None
+        return OomReport(kind="cpu", message=message, requested_bytes=requested)
+    return OomReport(
+        kind="memfit-cap",
+        message=message,
+        capacity_bytes=_size(r"the cap is {SIZE}", message),
+        # what the process would have held with the op's outputs: cap reached at this total
+        allocated_bytes=_size(r"tried to hold {SIZE}", message),
+    )
+
+
+def _parse_cuda(message: str) -> OomReport:
+    report = OomReport(kind="cuda-old", message=message)
+    report.requested_bytes = _size(r"Tried to allocate {SIZE}", message)
+    gpu = re.search(r"GPU (\d+)", message)
+    report.gpu = int(gpu.group(1)) if gpu else None
+    report.allowed_bytes = _size(r"{SIZE} allowed", message)
+    if re.search(r"has a total capac", message, re.IGNORECASE):
+        report.kind = "cuda-new"
+        report.capacity_bytes = _size(r"total capac\w* of {SIZE}", message)
+        report.free_bytes = _size(r"of which {SIZE} is free", message)
+        report.allocated_bytes = _size(r"Of the allocated memory {SIZE} is allocated", message)
+        report.reserved_unallocated_bytes = _size(
+            r"{SIZE} is reserved by PyTorch but unallocated", message
+        )
+        report.process_bytes = _size(r"this process has {SIZE} memory in use", message)
+        processes = [
+            parse_size_text(m.group(1), m.group(2))
+            for m in re.finditer(
+                r"Process \d+ has " + _SIZE + r" memory in use", message, re.IGNORECASE
+            )
+        ]
+        if processes and report.process_bytes is None:
+            # "Process N has X" lines: the driver cannot say which one is this process; the
+            # largest is the likeliest (the one that grew until it failed)
+            report.process_bytes = max(processes)
+            report.other_processes_bytes = sum(processes) - max(processes)
+        if report.allocated_bytes is not None and report.reserved_unallocated_bytes is not None:
+            # the allocator prints reserved − allocated as "reserved but unallocated"
+            report.reserved_bytes = report.allocated_bytes + report.reserved_unallocated_bytes
+            report.derived.append("reserved_bytes")
+    else:
+        report.capacity_bytes = _size(r"{SIZE} total capacity", message)
+        report.free_bytes = _size(r"{SIZE} free", message)
+        report.allocated_bytes = _size(r"{SIZE} already allocated", message)
+        report.reserved_bytes = _size(r"{SIZE} reserved in total by PyTorch", message)
+        if report.reserved_bytes is None:  # before PyTorch 1.4 the cache was "cached"
+            report.reserved_bytes = _size(r"{SIZE} cached", message)
+        if report.reserved_bytes is not None and report.allocated_bytes is not None:
+            report.reserved_unallocated_bytes = max(
+                0, report.reserved_bytes - report.allocated_bytes
+            )
+            report.derived.append("reserved_unallocated_bytes")
+    return report
+
+
+def _parse_mps(message: str) -> OomReport:
+    report = OomReport(
+        kind="mps",
+        message=message,
+        allocated_bytes=_size(r"MPS allocated: {SIZE}", message),
+        other_bytes=_size(r"other allocations: {SIZE}", message),
+        # the high-watermark limit is what the process may use: its "capacity"
+        capacity_bytes=_size(r"max allowed: {SIZE}", message),
+        requested_bytes=_size(r"Tried to allocate {SIZE}", message),
+    )
+    if report.capacity_bytes is not None and report.allocated_bytes is not None:
+        report.free_bytes = max(
+            0, report.capacity_bytes - report.allocated_bytes - (report.other_bytes or 0)
+        )
+        report.derived.append("free_bytes")
+    return report

@@ -1,0 +1,342 @@
+"""``memfit train``'s settings: the job's knobs (:class:`memfit.job.Job`) plus the run's own, and
+every check on them, made at once before anything is loaded or written.
+
+A field's metadata (:func:`memfit.job.knob`) is what the CLI shows and takes. Beyond ``help``,
+``flag``, ``choices``, ``minimum`` and ``cli`` (see :func:`~memfit.job.knob`), the run's own
+fields use these keys, for the CLI generator:
+
+- ``negatable``: a boolean flag given as ``--name/--no-name`` (True), or as ``--name`` alone,
+  off by default (False);
+- ``size``: the flag takes a size (``16GiB``), parsed with :func:`memfit.units.parse_size`;
+- ``comma_list``: the flag takes a comma-separated list (``--labels neg,pos``), items stripped;
+- ``zero_is_none``: a flag value of 0 means "off" (None);
+- ``finite``: a float that must be a finite number (checked by :func:`config_problems`).
+
+The job's own fields are flags of ``memfit train`` too, with the help lines of
+:data:`INHERITED_HELP` (None: not a flag of ``memfit train``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.errors import UsageError
+from memfit.job import (
+    DEEPSPEED_SCHEMES,
+    JOB_FIELDS,
+    OPTIMIZER_TABLE,
+    Job,
+    finite_problem,
+    flag_of,
+    knob,
+    whole_problem,
+)
+
+SCHEDULERS = ("linear", "cosine", "constant")
+PADDINGS = ("longest", "max_length")
+
+# the job's knobs as ``memfit train`` shows them (its help line; None: not one of its flags)
+INHERITED_HELP: dict[str, str | None] = {
+    "model": "A Hub id (cached), a model folder or a sentence-transformers folder.",
+    "task": "classification | causal-lm | sentence-embedding",
+    "num_labels": "classification: labels are the integers 0…N-1.",
+    "loss": "sentence-embedding: mnrl (default) | cached-mnrl",
+    "seq_len": None,
+    "max_seq_len": "Plan key: truncate to this many tokens.",
+    "effective_batch_size": "Samples per optimizer step (default 32).",
+    "micro_batch_size": "Plan key: samples per micro-batch.",
+    "gradient_accumulation_steps": "Plan key (follows from the micro-batch).",
+    "mini_batch_size": "Plan key: cached-mnrl mini-batch.",
+    "max_tokens_per_micro_batch": (
+        "Plan key: tokens per micro-batch, padding included (token-budget batches)."
+    ),
+    "world_size": "Plan key: data-parallel ranks; must match what torchrun/accelerate launched.",
+    "sharding": "Plan key: none | fsdp (PyTorch FSDP2) | zero1 | zero2 | zero3 (DeepSpeed).",
+    "precision": "Plan key: fp32 | fp16 | bf16.",
+    "optimizer": "adamw | sgd | adamw-8bit | adafactor",
+    "gradient_checkpointing": "Plan key: recompute activations.",
+    "attn_implementation": None,
+    "lora_rank": "Train peft LoRA adapters of this rank (the base stays frozen).",
+    "lora_target_modules": (
+        "LoRA targets, comma-separated: attention (default), mlp, module names, or all-linear."
+    ),
+    "device": "cuda | cpu (default: cuda if present).",
+}
+
+
+@dataclass(kw_only=True)
+class TrainConfig(Job):
+    """Every knob of a run; ``memfit train`` flags and the config file map onto these names.
+
+    The job's knobs (model, task, the batch, precision, ...) come from :class:`~memfit.job.Job`;
+    None there means "planned before step 0, or the default". The fields below are the run's.
+    """
+
+    train_file: str = knob("Training data: .csv/.tsv/.jsonl/.json.", required=True)
+    """The training rows: a file or a folder of them."""
+    output_dir: str = knob("The run folder.", required=True)
+    """The run folder: model/, checkpoints/, metrics.jsonl, events.jsonl, run.json."""
+    eval_file: str | None = knob("Eval data, same columns.")
+    text_column: str = knob("Text column (classification, causal-lm).", default="text")
+    label_column: str = knob("Label column (classification).", default="label")
+    text_pair_column: str | None = knob("Second text column of sentence pairs (classification).")
+    """Classification: a second text (sentence pairs)."""
+    anchor_column: str = knob("Anchor column (sentence-embedding).", default="anchor")
+    positive_column: str = knob("Positive column (sentence-embedding).", default="positive")
+    packing: bool = knob("causal-lm: pack texts into full blocks.", negatable=True, default=False)
+    epochs: int = knob("Passes over the data (default 1).", minimum=1, default=1)
+    max_steps: int | None = knob("Optimizer steps (instead of --epochs).", minimum=1)
+    lr: float = knob("Peak learning rate (default 5e-5).", finite=True, default=5e-5)
+    weight_decay: float = knob("AdamW weight decay (default 0).", finite=True, default=0.0)
+    warmup_ratio: float = knob("Share of steps warming up (default 0).", finite=True, default=0.0)
+    lr_scheduler: str = knob("linear | cosine | constant", choices=SCHEDULERS, default="linear")
+    max_grad_norm: float | None = knob(
+        "Clip the whole step's gradient (default 1.0; 0: off).",
+        finite=True,
+        zero_is_none=True,
+        default=1.0,
+    )
+    seed: int = knob("Random seed (default 42).", default=42)
+    gpu_memory: int | None = knob("Plan for this budget, e.g. 16GiB.", size=True)
+    """The plan's budget in bytes (None: the GPU's free memory)."""
+    memory_cap: int | None = knob("Behave as if the device had only this much memory.", size=True)
+    """A cap in bytes on the device's memory: every OOM path for real, on any machine."""
+    save_every: int | None = knob("Checkpoint every N optimizer steps.", minimum=1)
+    save_total_limit: int | None = knob("Keep the newest K checkpoints.", minimum=1)
+    eval_every: int | None = knob("Evaluate every N optimizer steps (and at the end).", minimum=1)
+    resume: bool = knob(
+        "Continue from the newest complete checkpoint.", negatable=True, default=False
+    )
+    grow_after: int = knob(
+        "Clean steps before the guard tries a larger micro-batch.", minimum=1, default=50, cli=False
+    )
+    quiet: bool = knob("No progress lines.", default=False, cli=False)
+    """No progress lines (the API's callers that print their own)."""
+    merge_lora: bool = knob(
+        "Save DIR/model as the merged model (loads without peft), not the adapter folder.",
+        negatable=False,
+        default=False,
+    )
+    """LoRA: DIR/model is the merged model, not the adapter folder (see memfit.train.lora)."""
+    labels: list[str] | None = knob(  # noqa: RUF009 (a field, default None)
+        "classification: the label set in id order, comma-separated (neg,pos).", comma_list=True
+    )
+    """Classification: the label set, in id order."""
+    skip_bad_rows: bool = knob(
+        "Skip bad rows (listed in DIR/skipped_rows.jsonl) instead of refusing the data.",
+        negatable=False,
+        default=False,
+    )
+    """Skip bad rows (listed in DIR/skipped_rows.jsonl) rather than refuse the data."""
+    cache_dir: str | None = knob("Where tokenized data is cached (default: the datasets cache).")
+    """Tokenized data; default: the Hugging Face datasets cache."""
+    group_by_length: bool = knob(
+        "Steps of similar-length samples: less padding.", negatable=True, default=False
+    )
+    probe: bool = knob(
+        "Run one step on the longest samples first (undone), so OOM comes at step 0.",
+        negatable=True,
+        default=True,
+    )
+    """One step on the longest samples before step 1, undone afterwards."""
+    padding: str = knob(
+        "longest (dynamic, default) | max_length (pad to --max-seq-len).",
+        choices=PADDINGS,
+        default="longest",
+    )
+    """longest (dynamic padding) | max_length (every row to max_seq_len)."""
+    memory_snapshot: bool = knob(
+        "CUDA: dump the allocator's history at each OOM (DIR/memory-snapshots/).",
+        negatable=False,
+        default=False,
+    )
+    """CUDA: record the allocator's history and dump a snapshot (DIR/memory-snapshots/) at each
+    caught OOM, for PyTorch's memory viewer (https://pytorch.org/memory_viz)."""
+    report_to: str = knob(
+        "tensorboard | wandb | none (default): step, memory and guard figures there too.",
+        default="none",
+    )
+    """The step, eval and guard figures also to tensorboard and/or wandb (comma-separated; rank 0
+    only); see memfit.train.loggers."""
+
+
+# the run's own fields (those of TrainConfig that are not the job's)
+RUN_FIELDS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name not in JOB_FIELDS)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    samples_seen: int
+    final_loss: float | None
+    eval_metrics: dict[str, float]
+    stopped: str  # "done" | "signal" | "finished" (a --resume of a run that had finished)
+
+
+# --- validation -----------------------------------------------------------------------------------
+def check_config(cfg: TrainConfig) -> None:
+    """Every problem with the flags, at once (one line each), before anything is written."""
+    problems = config_problems(cfg)
+    if problems:
+        raise UsageError("\n".join(problems))
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """The problems with the flags (and the files' existence), one message each: the job's
+    (:meth:`Job.problems`), then the run's."""
+    problems = cfg.problems(typed=True)
+
+    def add(found: list[str]) -> None:
+        # a check the job makes too (LoRA's, say) says it once
+        problems.extend(x for x in found if x not in problems)
+
+    if cfg.lr_scheduler not in SCHEDULERS:
+        problems.append(
+            f"--lr-scheduler: unknown value {cfg.lr_scheduler!r}; one of {', '.join(SCHEDULERS)}"
+        )
+    for f in RUN_FIELDS:
+        value, flag = getattr(cfg, f.name), flag_of(f)
+        found = None
+        if value is not None and f.metadata.get("minimum") is not None:
+            found = whole_problem(flag, value, f.metadata["minimum"], typed=True)
+        elif f.metadata.get("finite"):
+            # NaN passes every comparison that would refuse it, and inf trains a model of NaNs
+            found = finite_problem(flag, value)
+        if found is not None:
+            problems.append(found)
+    if cfg.task == "sentence-embedding" and _whole(cfg.effective_batch_size):
+        from memfit.train.recipes.sentence_embedding import batch_problems
+
+        # in-batch negatives: one pair per step has none (a loss of 0)
+        problems.extend(batch_problems(cfg.loss or "mnrl", int(cfg.effective_batch_size)))
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+        problems.append(f"--seed: must be a whole number from 0 to {2**32 - 1}, got {cfg.seed}")
+    if cfg.lr <= 0:
+        problems.append(f"--lr: must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.warmup_ratio < 1:
+        problems.append(f"--warmup-ratio: must be in [0, 1), got {cfg.warmup_ratio}")
+    add(_distributed_problems(cfg))
+    if cfg.device == "cuda" and not _cuda_available():
+        problems.append("--device: cuda was asked for but no CUDA GPU is visible")
+    from memfit.train.loggers import report_problems
+    from memfit.train.lora import lora_problems
+
+    add(lora_problems(cfg))
+    problems.extend(report_problems(cfg.report_to))
+    for flag, path in (("--train-file", cfg.train_file), ("--eval-file", cfg.eval_file)):
+        if path is not None and not Path(path).exists():
+            problems.append(f"{flag}: {path}: no such file or folder")
+    if cfg.memory_snapshot and not _cuda_available():
+        problems.append("--memory-snapshot: needs a CUDA GPU (it records the CUDA allocator)")
+    if cfg.padding not in PADDINGS:
+        problems.append(f"--padding: unknown value {cfg.padding!r}; longest or max_length")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm < 0:
+        problems.append(f"--max-grad-norm: must be ≥ 0, got {cfg.max_grad_norm}")
+    if cfg.weight_decay < 0:
+        problems.append(f"--weight-decay: must be ≥ 0, got {cfg.weight_decay}")
+    if cfg.task != "classification" and (cfg.labels or cfg.num_labels):
+        problems.append("--labels/--num-labels: only for --task classification")
+    if cfg.labels is not None and not [x for x in cfg.labels if str(x).strip()]:
+        problems.append("--labels: give the label names, comma-separated (--labels neg,pos)")
+    if cfg.labels is not None and cfg.num_labels is not None and len(cfg.labels) != cfg.num_labels:
+        problems.append(
+            f"--labels names {len(cfg.labels)} labels but --num-labels is {cfg.num_labels}; "
+            "give one of them"
+        )
+    problems.extend(_optimizer_problems(cfg.optimizer))
+    from memfit.train.runfolder import folder_problems
+
+    # rank 0 takes the folder's lock: the other ranks must not take it for another run's
+    problems.extend(
+        folder_problems(
+            Path(cfg.output_dir),
+            resume=cfg.resume,
+            check_lock=os.environ.get("RANK", "0") in ("", "0"),
+        )
+    )
+    return problems
+
+
+def _optimizer_problems(name: str) -> list[str]:
+    """The optimizer's package, where it needs one that does not import here."""
+    optimizer = OPTIMIZER_TABLE.get(name)
+    if optimizer is None or optimizer.needs is None:
+        return []
+    try:
+        importlib.import_module(optimizer.needs)
+    except Exception:
+        return [
+            f"--optimizer: {name} needs a working {optimizer.needs} (pip install "
+            f"{optimizer.needs}, on a CUDA machine); use adamw or adafactor here"
+        ]
+    return []
+
+
+def _distributed_problems(cfg: TrainConfig) -> list[str]:
+    """What cannot run with the ranks launched and the sharding asked for, before anything
+    starts (DeepSpeed on the CPU, a plan for 4 ranks in 1 process, ...). A --world-size or
+    --sharding that is no value at all is the job's problem (:meth:`Job.problems`)."""
+    from memfit.runtime import launched_world_size
+
+    problems: list[str] = []
+    launched = launched_world_size()
+    wanted = cfg.world_size
+    if wanted is not None and _whole(wanted) and wanted != launched:
+        if launched == 1:
+            problems.append(
+                f"--world-size: {wanted} ranks asked for, but this is one process; launch them: "
+                f"torchrun --nproc_per_node {wanted} -m memfit train … (or accelerate launch "
+                f"--num_processes {wanted} -m memfit train …)"
+            )
+        else:
+            problems.append(
+                f"--world-size: {wanted} ranks asked for, but {launched} were launched; make them "
+                "agree (or leave --world-size out)"
+            )
+    if cfg.sharding in DEEPSPEED_SCHEMES:
+        on_cpu = cfg.device == "cpu" or not _cuda_available()
+        if on_cpu:
+            problems.append(
+                f"--sharding: {cfg.sharding} is DeepSpeed ZeRO, which memfit runs on CUDA GPUs "
+                "only; on the CPU use --sharding fsdp (PyTorch FSDP2: parameters, gradients and "
+                "optimizer state sharded, as ZeRO-3) or --sharding none"
+            )
+        else:
+            problems.append(
+                f"--sharding: {cfg.sharding} (DeepSpeed ZeRO) is estimated and planned by memfit "
+                "but not yet run by memfit train, whose guard cannot yet agree an OOM inside "
+                "DeepSpeed's hooks; use --sharding fsdp (the same sharding as ZeRO-3, with an "
+                "OOM-safe guard) or --sharding none"
+            )
+    if launched > 1 and cfg.task == "sentence-embedding":
+        problems.append(
+            "--task: sentence-embedding on several ranks is not built yet: each rank's in-batch "
+            "negatives would be only its share of the batch, so the loss would change with the "
+            "number of ranks; run it as one process (the cached loss, --loss cached-mnrl, fits "
+            "any batch into memory)"
+        )
+    if cfg.sharding == "fsdp" and cfg.task == "sentence-embedding":
+        problems.append(
+            "--sharding: fsdp is built for classification and causal-lm; sentence-embedding runs "
+            "with --sharding none"
+        )
+    if cfg.sharding == "fsdp" and cfg.lora_rank:
+        problems.append("--sharding: fsdp with --lora-rank is not supported; use --sharding none")
+    return problems
+
+
+def _whole(value: object) -> bool:
+    """A whole number ≥ 1 (a count the job's checks passed)."""
+    return whole_problem("", value) is None
+
+
+def _cuda_available() -> bool:
+    # torch is imported here, not at the top: the CLI builds its options from TrainConfig first
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -1,0 +1,656 @@
+"""The training run: its state, and its phases as the methods of :class:`TrainingRun`.
+
+:func:`memfit.train.run.train` calls the phases in order: join the ranks, load the model and the
+data, plan the knobs left open, open the run folder, build the optimizer, open the logs, make the
+guard, resume, write run.json, probe, then step after step (:meth:`TrainingRun.train_step`) with
+evals and checkpoints between them (:meth:`TrainingRun.after_step`), and finish. Each optimizer
+step is a fixed set of samples; the guard runs them as micro-batches (and survives OOM with the
+same gradient); :meth:`TrainingRun.update` clips the whole step's gradient and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.data.batching import length_grouped_order
+from memfit.data.rows import Row
+from memfit.errors import NothingFitsError, TrainingStoppedError
+from memfit.train import checkpoint as ck
+from memfit.train.config import TrainResult
+from memfit.train.console import Progress, say
+from memfit.train.distributed import shard_rows
+from memfit.train.memory import PeakMemory, snapshot_writer
+from memfit.train.optim import oom_caught, rescale_lr
+from memfit.train.resume import pick_checkpoint, refuse_changed, truncate_metrics
+from memfit.train.setup import RunSetup, next_cure, take, versions
+
+
+class TrainingRun(RunSetup):
+    """One run of ``memfit train``: what it holds (the model, optimizer, guard, logs, where it
+    is in the data; set up by :class:`~memfit.train.setup.RunSetup`) and the phases that change
+    it. Every rank holds its own."""
+
+    # --- resume ---------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """With --resume: on from the newest checkpoint that loads (the damaged ones set aside),
+        or from the start; the killed run's metrics after it are dropped."""
+        cfg, ranks = self.cfg, self.ranks
+        picked: tuple[Path, dict[str, Any]] | None = None
+        if cfg.resume and ranks is None:
+            picked = pick_checkpoint(self.ckpt_dir, self.load, self.skip)
+        elif cfg.resume and ranks is not None:
+            # rank 0 verifies the checkpoints; every rank loads the one it picked
+            found = pick_checkpoint(self.ckpt_dir, None, self.skip) if self.main else None
+            chosen = ranks.broadcast_object(found[0] if found is not None else None)
+            picked = (chosen, self.load(chosen)) if chosen is not None else None
+        if picked is not None:
+            resume_from, state = picked
+            self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+            self.samples_seen, self.best = state["samples_seen"], state.get("best")
+            self.on_event(
+                {
+                    "type": "resume",
+                    "step": self.step,
+                    "checkpoint": str(resume_from),
+                    "micro_batch_size": self.guard.micro_batch_size,
+                }
+            )
+        elif cfg.resume:
+            self.on_event(
+                {
+                    "type": "resume",
+                    "step": 0,
+                    "checkpoint": None,
+                    "note": "no checkpoint yet: from the start"
+                    if not ck.completed_steps(self.ckpt_dir)
+                    else "no checkpoint could be read: from the start",
+                }
+            )
+        if cfg.resume and self.main:
+            # the killed run's lines after its checkpoint are redone: drop them before appending
+            truncate_metrics(self.out / "metrics.jsonl", self.step)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Check the checkpoint's settings against this run's, then load it."""
+        refuse_changed(path, ck.read_state(path).get("settings"), self.settings)
+        state = ck.read_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            device=self.device,
+            rank=self.rank,
+            world_size=self.world,
+            sharded=self.sharded,
+        )
+        self.guard.load_state_dict(state["guard"])
+        old_lr = rescale_lr(self.optimizer, self.scheduler, self.cfg.lr)
+        if old_lr is not None:
+            # --lr of this resume (a run stopped at a NaN, lower it): the schedule, scaled
+            self.on_event({"type": "lr", "step": state["step"], "from": old_lr, "to": self.cfg.lr})
+        return state
+
+    def skip(self, path: Path, problem: str) -> None:
+        """A checkpoint that does not load: moved out of the checkpoints a resume or
+        --save-total-limit counts (kept to look at)."""
+        aside = ck.set_aside(path)
+        self.on_event(
+            {
+                "type": "checkpoint_skipped",
+                "checkpoint": str(path),
+                "reason": problem,
+                "moved_to": str(aside),
+            }
+        )
+        if self.main and not self.cfg.quiet:
+            say(
+                f"memfit: checkpoint {path} skipped: {problem} (moved to {aside.name}); trying "
+                "the one before it"
+            )
+
+    def write_run_json(self) -> None:
+        """run.json: the config, what was resolved, the plan, the versions (rank 0)."""
+        ranks = self.ranks
+        self.run_json = {
+            "config": dataclasses.asdict(self.cfg),
+            "resolved": {
+                "device": str(self.device),
+                "micro_batch_size": self.micro,
+                "precision": self.precision,
+                "gradient_checkpointing": self.checkpointing,
+                "steps": self.total_steps,
+                "steps_per_epoch": self.steps_per_epoch,
+                "train_rows": self.rows_n,
+                "eval_rows": len(self.eval_rows) if self.eval_rows is not None else 0,
+                "skipped_rows": len(self.skipped),
+                "max_tokens_per_micro_batch": self.max_tokens,
+                "pad_to_multiple_of": self.recipe.pad_multiple,
+                "group_by_length": self.cfg.group_by_length,
+                "world_size": self.world,
+                "sharding": self.cfg.sharding,
+                "backend": ranks.backend if ranks is not None else None,
+                # a fine-tuned classifier's head: kept (same labels) or replaced (said on stderr)
+                "classifier_head": getattr(self.recipe, "head_note", None),
+            },
+            "plan": self.planned,
+            "versions": versions(),
+        }
+        if self.main:
+            from memfit.train import runfolder
+
+            runfolder.write_json(self.out / "run.json", self.run_json)
+
+    # --- the steps ------------------------------------------------------------------------------
+    def permutation(self, epoch: int) -> list[int]:
+        """The order of the rows in ``epoch``: a pure function of (seed, epoch), so that a
+        resumed run recomputes it and goes on at its position."""
+        cfg = self.cfg
+        if cfg.group_by_length and self.lengths is not None:
+            return length_grouped_order(self.lengths, self.per_step, seed=cfg.seed, epoch=epoch)
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+        return torch.randperm(self.rows_n, generator=g).tolist()
+
+    def watch_memory(self, cap: Any) -> None:
+        """Under ``cap`` (--memory-cap, or None): what it counts from the start, the step's peak
+        memory by phase, and with --memory-snapshot a snapshot at each caught OOM."""
+        if cap is not None:
+            cap.track(self.model, self.optimizer)
+            if self.ranks is not None:
+                # written in place at every sync point: held already, never a new allocation
+                cap.track(*self.ranks.buffers())
+        self.peak = PeakMemory(self.device, cap)
+        self.guard.on_phase = self.peak.phase
+        if self.cfg.memory_snapshot and self.device.type == "cuda":
+            self.guard.on_oom = snapshot_writer(self.out / "memory-snapshots", self.on_event)
+
+    def train_step(self, rows: list[Row]) -> dict[str, Any]:
+        """One optimizer step on ``rows`` (the whole step's, on every rank): forward and backward
+        under the guard, the update, the schedule; returns its metrics line."""
+        guard, peak = self.guard, self.peak
+        peak.reset()
+        t0 = time.perf_counter()
+        loss: float | None = self.guarded_step(rows, self.step + 1)
+        peak.phase("optimizer")  # clipping, the update and zero_grad
+        grad_norm = self.update(self.step + 1, loss=loss)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        # the step's gradients are spent: free them before the next step's forward
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.position += len(rows)
+        self.samples_seen += len(rows)
+        step_peak, phase_peaks = peak.read(), peak.record()
+        tokens = guard.last_step.get("tokens") if self.recipe.splittable else None
+        padded = guard.last_step.get("padded_tokens") if self.recipe.splittable else None
+        rank_peaks: list[int | None] | None = None
+        if self.ranks is not None:
+            loss, tokens, padded, step_peak, phase_peaks, rank_peaks = self._gather(
+                loss, tokens, padded, step_peak, phase_peaks
+            )
+        self.loss_value = loss
+        seconds = time.perf_counter() - t0
+        record = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": loss,
+            "samples_seen": self.samples_seen,
+            "micro_batch_size": guard.micro_batch_size,
+            "gradient_accumulation_steps": guard.last_step.get("chunks", 1)
+            if self.recipe.splittable
+            else 1,
+            "max_tokens_per_micro_batch": guard.max_tokens,
+            "tokens": tokens,
+            "padded_tokens": padded,
+            "peak_bytes": step_peak,
+            **phase_peaks,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "seconds": round(seconds, 4),
+            "samples_per_second": round(len(rows) / seconds, 2) if seconds > 0 else None,
+        }
+        if self.ranks is not None:
+            record["world_size"] = self.world
+            record["rank_peak_bytes"] = rank_peaks
+        return record
+
+    def _gather(
+        self,
+        loss: float | None,
+        tokens: int | None,
+        padded: int | None,
+        step_peak: int | None,
+        phase_peaks: dict[str, int],
+    ) -> tuple[float | None, int | None, int | None, int | None, dict[str, int], list[int | None]]:
+        """The step's figures over the ranks: the loss and tokens are sums, the peaks the
+        largest (and each rank's peak)."""
+        keys = ["loss", "tokens", "padded", "peak", *PeakMemory.RECORD_KEYS]
+        local = [loss, tokens, padded, step_peak, *(phase_peaks.get(k) for k in keys[4:])]
+        gathered = self.ranks.gather_floats(local)
+        columns = list(zip(*gathered, strict=True))
+        rank_peaks = [_int_or_none(x) for x in columns[3]]
+        peaks = {
+            key: int(value)
+            for key, column in zip(keys[4:], columns[4:], strict=True)
+            if (value := _max_or_none(column)) is not None
+        }
+        return (
+            _sum_or_none(columns[0]),
+            _int_or_none(_sum_or_none(columns[1])),
+            _int_or_none(_sum_or_none(columns[2])),
+            _int_or_none(_max_or_none(columns[3])),
+            peaks,
+            rank_peaks,
+        )
+
+    def after_step(self, stop: StopSignal) -> bool:
+        """Eval and checkpoint on their schedule; True when a signal ends the run (with a
+        checkpoint)."""
+        cfg, step = self.cfg, self.step
+        if (
+            self.eval_rows is not None
+            and cfg.eval_every
+            and step % cfg.eval_every == 0
+            and step < self.total_steps
+        ):
+            self.last_eval = self.evaluate()
+        if cfg.save_every and step % cfg.save_every == 0 and step < self.total_steps:
+            self.save("every")
+        # a signal reaches every rank (the launcher forwards it), but maybe not between the same
+        # two steps: the ranks agree to stop after the same one
+        signalled = stop.signal is not None
+        if self.ranks is not None:
+            signalled = self.ranks.anyone(signalled)
+        if not signalled:
+            return False
+        reason = f"signal {stop.signal}" if stop.signal is not None else "signal"
+        self.save(reason)
+        self.on_event({"type": "stop", "step": step, "reason": reason})
+        self.stopped = "signal"
+        return True
+
+    def guarded_step(self, rows: list[Row], number: int) -> float:
+        """One step's forward and backward under the guard (this rank's share of ``rows``); after
+        micro-batch 1 fails, the next cure (gradient checkpointing), else stop with a checkpoint
+        (exit 3). Returns the step's loss (this rank's part of it with several ranks)."""
+        from memfit.guard import StepTooLarge
+
+        recipe, guard, ranks = self.recipe, self.guard, self.ranks
+        total_units = recipe.units(rows) if recipe.splittable else len(rows)
+        if ranks is not None:
+            rows = shard_rows(rows, recipe.lengths(rows) if rows else None, self.rank, self.world)
+        while True:
+            try:
+                loss: float = guard.step(
+                    rows,
+                    recipe,
+                    params=self.params,
+                    autocast=self.autocast,
+                    scale=(self.scaler.scale if self.scaler is not None else _identity),
+                    step=number,
+                    total_units=total_units,
+                )
+                return loss
+            except StepTooLarge as exc:
+                # every rank gets here together (the guard agreed on it) and decides alike
+                cure = next_cure(self.model, self.checkpointing)
+                if cure is None:
+                    self.save("nothing fits")
+                    self.on_event(
+                        {
+                            "type": "stop",
+                            "step": self.step,
+                            "reason": "even micro-batch 1 does not fit",
+                            "error": str(exc),
+                        }
+                    )
+                    raise NothingFitsError(
+                        f"step {number}: even micro-batch 1 runs out of memory "
+                        f"({exc}); a checkpoint is in {self.ckpt_dir}. Try "
+                        "--gradient-checkpointing, --precision bf16 on a GPU, --max-seq-len, or a "
+                        "larger --memory-cap/GPU"
+                    ) from None
+                self.checkpointing = True
+                self.on_event({"type": "backoff", "step": number, "cure": cure})
+                # one row per micro-batch (a budget of one token leaves each row alone)
+                guard.micro_batch_size = 1
+                if guard.max_tokens is not None:
+                    guard.max_tokens = 1
+
+    def update(
+        self, number: int, *, loss: float | None = None, probe: bool = False
+    ) -> float | None:
+        """Clip the whole step's gradient and step the optimizer; the returned gradient norm is
+        None without clipping. No micro-batch changes what this phase holds (weights, gradients,
+        optimizer state), so an OOM here is the end: exit 3 with what would help (on every rank:
+        they agree on it). A loss or gradient that is not finite stops the run before the update
+        (exit 4), unless the fp16 loss scaler is on: it skips such a step itself (and says so)."""
+        cfg, scaler, optimizer, params = self.cfg, self.scaler, self.optimizer, self.params
+        grad_norm, norm = None, None
+        with oom_caught() as caught:
+            if scaler is not None and not probe:
+                scaler.unscale_(optimizer)
+            if cfg.max_grad_norm:
+                grad_norm = norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            elif scaler is None and not probe:
+                # the norm alone (a factor of 1 on every gradient), for the finite check
+                norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
+        self.agree_oom(number, caught.error)
+        if scaler is None and not probe:
+            values = {"loss": loss, "gradient norm": norm}
+            bad = [
+                f"the {k} is {v}"
+                for k, v in values.items()
+                if v is not None and not math.isfinite(v)
+            ]
+            if self.ranks is not None and self.ranks.anyone(bool(bad)) and not bad:
+                bad = ["another rank's loss or gradient is not finite"]
+            if bad:
+                self.stop_not_finite(number, bad)
+        with oom_caught() as caught:
+            if scaler is not None and not probe:
+                scale = scaler.get_scale()
+                scaler.step(optimizer)
+                scaler.update()
+                if scaler.get_scale() < scale:
+                    self.on_event(
+                        {
+                            "type": "skip",
+                            "step": number,
+                            "reason": "fp16 loss scaler: the gradient is not finite; the update "
+                            f"is skipped and the scale lowered from {scale:g} to "
+                            f"{scaler.get_scale():g}",
+                        }
+                    )
+            else:
+                optimizer.step()
+        self.agree_oom(number, caught.error)
+        return grad_norm
+
+    def agree_oom(self, number: int, error: str | None) -> None:
+        """Every rank learns whether any ran out of memory in the update: then all stop."""
+        ranks = self.ranks
+        if ranks is not None and ranks.anyone(error is not None) and error is None:
+            error = "another rank ran out of memory in its optimizer step"
+        if error is None:
+            return
+        self.on_event({"type": "oom", "step": number, "phase": "optimizer", "error": error})
+        self.on_event(
+            {"type": "stop", "step": self.step, "reason": "the optimizer step does not fit"}
+        )
+        raise NothingFitsError(
+            f"step {number}: the optimizer step runs out of memory ({error}). It holds the "
+            "weights, their gradients and the optimizer state whatever the micro-batch: try "
+            "--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, "
+            + ("--sharding fsdp, " if ranks is not None and self.sharded is None else "")
+            + "or more memory"
+        )
+
+    def stop_not_finite(self, number: int, bad: list[str]) -> None:
+        """Stop before an update that would write NaN or inf into the weights. The weights are
+        still those of the step before: they are checkpointed when they are finite (a run whose
+        weights already went bad keeps its older checkpoints and adds none)."""
+        step, ckpt_dir = self.step, self.ckpt_dir
+        self.optimizer.zero_grad(set_to_none=True)
+        self.on_event({"type": "not_finite", "step": number, "problems": bad})
+        weights_ok = all(bool(torch.isfinite(p.detach()).all()) for p in self.params)
+        if self.ranks is not None:
+            weights_ok = not self.ranks.anyone(not weights_ok)
+        if weights_ok:
+            self.save("not finite")
+            kept = f"the weights of step {step} are in {ckpt_dir / f'step-{step}'}"
+        else:
+            steps_kept = ck.completed_steps(ckpt_dir)
+            kept = "the weights were already not finite" + (
+                f"; the newest checkpoint is {ckpt_dir / f'step-{steps_kept[-1]}'}"
+                if steps_kept
+                else " and there is no checkpoint"
+            )
+        self.on_event({"type": "stop", "step": step, "reason": "loss or gradient not finite"})
+        raise TrainingStoppedError(
+            f"step {number}: {' and '.join(bad)}; stopped before the update ({kept}). Lower "
+            f"--lr{'' if self.cfg.max_grad_norm else ' or set --max-grad-norm'}, check the data, "
+            "then run again with --resume"
+        )
+
+    # --- the probe ------------------------------------------------------------------------------
+    def weights_snapshot(self) -> list[torch.Tensor] | None:
+        """With --probe (and steps left): a copy of the trained weights, on the CPU, made before
+        the memory cap (outside it), that the probe puts back; frozen ones (LoRA's base model)
+        are never changed by an optimizer step."""
+        if self.cfg.probe and self.lengths is not None and self.step < self.total_steps:
+            return [p.detach().to("cpu", copy=True) for p in self.params]
+        return None
+
+    def probe(self, snapshot: list[torch.Tensor]) -> None:
+        """Step 0: the longest rows of the data as one step, so that an OOM the data holds for
+        later comes now and the micro-batch (token budget) is corrected before step 1. Then
+        everything it changed is put back: weights, optimizer state, gradients, RNG."""
+        guard, optimizer, lengths = self.guard, self.optimizer, self.lengths
+        assert lengths is not None
+        longest = sorted(range(self.rows_n), key=lambda i: -lengths[i])[: self.per_step]
+        rows = take(self.train_rows, longest)
+        rng = _rng_state(self.device)
+        fresh = not optimizer.state
+        before = (guard.micro_batch_size, guard.max_tokens)
+        ooms = [0]
+
+        def count(event: dict[str, Any]) -> None:
+            ooms[0] += event["type"] == "oom"
+            self.on_event(event)
+
+        guard.on_event = count
+        try:
+            self.guarded_step(rows, 0)
+            if fresh:
+                # a fresh optimizer allocates its state in its first step: part of the peak
+                self.update(0, probe=True)
+        finally:
+            guard.on_event = self.on_event
+            optimizer.zero_grad(set_to_none=True)
+            if fresh:
+                # the state the probe created goes; step 1 creates it anew, as without a probe
+                optimizer.state.clear()
+            with torch.no_grad():
+                for param, saved in zip(self.params, snapshot, strict=True):
+                    param.copy_(saved)
+            _set_rng_state(self.device, rng)
+        # the plan is corrected: a later grow never goes past what the longest rows allowed
+        guard.target_micro_batch_size = guard.micro_batch_size
+        guard.target_max_tokens = guard.max_tokens
+        guard.clean_steps = 0
+        self.on_event(
+            {
+                "type": "probe",
+                "step": 0,
+                "rows": len(rows),
+                "longest_tokens": lengths[longest[0]] if longest else 0,
+                "ooms": ooms[0],
+                "micro_batch_size": guard.micro_batch_size,
+                "max_tokens_per_micro_batch": guard.max_tokens,
+                "changed": (guard.micro_batch_size, guard.max_tokens) != before,
+            }
+        )
+
+    # --- eval, checkpoints, the end -------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """The eval metrics of the eval rows (guarded, as the steps); a new best saves DIR/best."""
+        assert self.local_eval is not None
+        recipe = self.recipe
+        self.model.eval()
+        try:
+            result: dict[str, float] = self.guard.evaluate(
+                self.local_eval, recipe, autocast=self.autocast
+            )
+        finally:
+            self.model.train()
+        metrics = {f"eval_{k}": v for k, v in result.items()}
+        self.metrics.write({"step": self.step, "samples_seen": self.samples_seen, **metrics})
+        if self.main:
+            self.on_event({"type": "eval", "step": self.step, **metrics})
+        value = result.get(recipe.metric)
+        best = self.best
+        if value is not None and (
+            best is None or (value > best if recipe.greater_is_better else value < best)
+        ):
+            self.best = value
+            self.save_model(self.out / "best")
+        return result
+
+    def save(self, reason: str) -> None:
+        """A checkpoint of this step (every rank writes its part)."""
+        state = {
+            "epoch": self.epoch,
+            "position": self.position,
+            "samples_seen": self.samples_seen,
+            "best": self.best,
+            "guard": self.guard.state_dict(),
+            "reason": reason,
+            "settings": self.settings,
+        }
+        path = ck.write_checkpoint(
+            self.ckpt_dir,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            state=state,
+            keep=self.cfg.save_total_limit,
+            ranks=self.ranks,
+            sharded=self.sharded,
+        )
+        if self.main:
+            self.on_event(
+                {"type": "checkpoint", "step": self.step, "path": str(path), "reason": reason}
+            )
+
+    def save_model(self, folder: Path) -> None:
+        """The model folder (rank 0 writes it; under FSDP every rank gathers the weights)."""
+        from memfit.train.runfolder import save_model_folder
+
+        weights = self.sharded.full_state_dict() if self.sharded is not None else None
+        if self.main:
+            save_model_folder(
+                self.recipe, folder, state_dict=weights, merge_lora=self.cfg.merge_lora
+            )
+
+    def finish(self, started: float) -> None:
+        """The end of a run that did every step: the last eval, the model, the result."""
+        if self.eval_rows is not None:
+            self.last_eval = self.evaluate()
+        if self.cfg.save_every:
+            # first: a disk that fills up at the model's save loses no step (--resume then finds
+            # the last step done and only writes the model)
+            self.save("end")
+        self.save_model(self.out / "model")
+        if not self.main:
+            return
+        self.on_event(
+            {
+                "type": "stop",
+                "step": self.step,
+                "reason": "done",
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
+        # a --resume of this folder now has nothing to do (and says so)
+        self.run_json["result"] = {
+            "stopped": "done",
+            "steps": self.step,
+            "samples_seen": self.samples_seen,
+            "final_loss": self.loss_value,
+            "eval_metrics": self.last_eval,
+        }
+        from memfit.train import runfolder
+
+        runfolder.write_json(self.out / "run.json", self.run_json)
+
+    def close(self) -> TrainResult:
+        """Leave the other ranks (once every rank is done writing) and return the result."""
+        if self.ranks is not None:
+            # every rank is done writing before any leaves (rank 0's model folder included)
+            self.ranks.barrier()
+            self.ranks.close()
+        return TrainResult(
+            self.out, self.step, self.samples_seen, self.loss_value, self.last_eval, self.stopped
+        )
+
+    def progress(self) -> Progress:
+        """The progress line or bar (rank 0, unless --quiet)."""
+        return Progress(self.total_steps, self.step, quiet=self.cfg.quiet or not self.main)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT: finish the step in hand, write a checkpoint, exit 0 (spot instances)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: no handlers
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(device: torch.device, state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _sum_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _max_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -1,0 +1,103 @@
+"""The tiny models the tests build offline (no download, random weights): one place for their
+configs, so every test's BERT, GPT-2 and sentence-transformers folder is built the same way.
+
+Test modules import it by name (``from tiny_models import …``): pytest puts ``tests/`` on the
+path for ``tests/conftest.py``, as it puts ``tests/e2e/`` there for ``memfit_runs``. The WordPiece
+tokenizer comes from ``bench/_tiny.py`` (``bench`` is on pytest's ``pythonpath``), the one copy
+the benches use too.
+
+A builder never seeds unless asked (``seed``): a test that builds several models under one seed
+gets the same weights as before, model after model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _tiny import SPECIALS, save_bert_tokenizer
+
+__all__ = [
+    "SPECIALS",
+    "bert_config",
+    "gpt2_config",
+    "save_bert",
+    "save_bert_tokenizer",
+    "save_sentence_transformer",
+]
+
+
+def bert_config(
+    vocab_size: int, *, layers: int = 2, positions: int = 64, dropout: bool = False, **extra: Any
+) -> Any:
+    """A BERT config 32 wide (2 heads, intermediate 64); dropout off unless ``dropout``;
+    ``extra`` sets any other field (``num_labels``, or a wider ``hidden_size``)."""
+    from transformers import BertConfig
+
+    values: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=positions,
+    )
+    if not dropout:
+        values.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    values.update(extra)
+    return BertConfig(**values)
+
+
+def gpt2_config(vocab_size: int, *, positions: int = 64, **extra: Any) -> Any:
+    """A 2-layer GPT-2 config 32 wide (2 heads), dropout off; ``extra`` sets token ids."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **extra,
+    )
+
+
+def save_bert(
+    folder: Path,
+    words: Sequence[str],
+    *,
+    num_labels: int | None = None,
+    seed: int | None = 0,
+    **config: Any,
+) -> Any:
+    """A BERT saved in ``folder`` with a WordPiece tokenizer that knows ``words``: a
+    ``BertModel``, or a ``BertForSequenceClassification`` of ``num_labels``; weights drawn after
+    ``torch.manual_seed(seed)`` (``None``: from the generator as it is); ``config`` goes to
+    :func:`bert_config`. Returns the tokenizer."""
+    import torch
+    from transformers import BertForSequenceClassification, BertModel
+
+    tokenizer = save_bert_tokenizer(folder, words)
+    if num_labels is not None:
+        config["num_labels"] = num_labels
+    settings = bert_config(len(tokenizer), **config)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = (BertModel if num_labels is None else BertForSequenceClassification)(settings)
+    model.save_pretrained(folder)  # safetensors: the only format transformers 5 writes
+    return tokenizer
+
+
+def save_sentence_transformer(folder: Path, encoder: Path, *, max_seq_length: int) -> None:
+    """A sentence-transformers folder: the HF model in ``encoder`` with mean pooling."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    transformer = Transformer(str(encoder), max_seq_length=max_seq_length)
+    pooling = Pooling(transformer.get_embedding_dimension(), "mean")
+    SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(folder))
