@@ -307,7 +307,7 @@ class Job:
                 f"{flags.get('mini_batch_size', '--mini-batch-size')}: only the cached loss "
                 "(--loss cached-mnrl) has one"
             )
-        if self.lora_target_modules and (self.lora_rank is None or self.lora_rank == 0):
+        if self.lora_target_modules and not _whole(self.lora_rank):
             problems.append("--lora-target-modules: only with --lora-rank R (LoRA adapters)")
         ranks, batch = self.world_size, self.effective_batch_size
         if ranks is not None and _whole(ranks) and _whole(batch) and batch % ranks:

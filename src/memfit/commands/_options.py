@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import sys
 import typing
@@ -140,3 +141,17 @@ Events = Annotated[
 CacheDir = Annotated[
     str | None, Opt(help="Where the data reader caches Arrow files (default: datasets').")
 ]
+
+
+def run_inference(verb: str, loading: str, doing: str, flags: dict[str, Any]) -> None:
+    """``memfit predict``/``embed``: their flags are :class:`~memfit.infer.run.InferConfig`'s,
+    one to one; the run prints nothing until its summary line (to stderr)."""
+    # on screen before torch is imported
+    with progress.status(f"loading {loading}", subject=f"memfit {verb} {flags['model']}"):
+        from memfit.infer.run import InferConfig
+
+        # memfit.infer.predict.predict or memfit.infer.embed.embed
+        run = getattr(importlib.import_module(f"memfit.infer.{verb}"), verb)
+        progress.report(doing)
+        result = run(InferConfig(**flags))
+    typer.echo(result.summary(), err=True)

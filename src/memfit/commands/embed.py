@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import typer
-
-from memfit import progress
 from memfit.commands._options import (
     BatchSize,
     CacheDir,
@@ -23,6 +20,7 @@ from memfit.commands._options import (
     Opt,
     Precision,
     TextColumn,
+    run_inference,
 )
 
 
@@ -48,31 +46,11 @@ def embed_command(
     cache_dir: CacheDir = None,
 ) -> None:
     """Sentence embeddings of every row (sentence-transformers), OOM-guarded."""
-    # on screen before torch is imported; the run prints nothing until its summary line
-    with progress.status(
-        "loading torch and sentence-transformers", subject=f"memfit embed {model_dir}"
-    ):
-        from memfit.infer.embed import embed
-        from memfit.infer.run import InferConfig
-
-        progress.report(f"loading the model, embedding every row of {file}")
-        result = embed(
-            InferConfig(
-                model=model_dir,
-                file=file,
-                output=output,
-                text_column=text_column,
-                id_column=id_column,
-                batch_size=batch_size,
-                gpu_memory=gpu_memory,
-                memory_cap=memory_cap,
-                device=device,
-                max_seq_len=max_seq_len,
-                precision=precision,
-                prompt_name=prompt_name,
-                normalize=normalize,
-                events=events,
-                cache_dir=cache_dir,
-            )
-        )
-    typer.echo(result.summary(), err=True)
+    flags = dict(locals())  # the parameters, and nothing else yet: InferConfig's fields
+    flags["model"] = flags.pop("model_dir")
+    run_inference(
+        "embed",
+        "torch and sentence-transformers",
+        f"loading the model, embedding every row of {file}",
+        flags,
+    )

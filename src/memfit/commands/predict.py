@@ -7,9 +7,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import typer
-
-from memfit import progress
 from memfit.commands._options import (
     BatchSize,
     CacheDir,
@@ -24,6 +21,7 @@ from memfit.commands._options import (
     Opt,
     Precision,
     TextColumn,
+    run_inference,
 )
 
 
@@ -49,29 +47,11 @@ def predict_command(
     cache_dir: CacheDir = None,
 ) -> None:
     """Labels and probabilities (classifier) or per-row loss (causal LM), OOM-guarded."""
-    # on screen before torch is imported; the run prints nothing until its summary line
-    with progress.status("loading torch and transformers", subject=f"memfit predict {model_dir}"):
-        from memfit.infer.predict import predict
-        from memfit.infer.run import InferConfig
-
-        progress.report(f"loading the model, predicting every row of {file}")
-        result = predict(
-            InferConfig(
-                model=model_dir,
-                file=file,
-                output=output,
-                task=task,
-                text_column=text_column,
-                text_pair_column=text_pair_column,
-                id_column=id_column,
-                batch_size=batch_size,
-                gpu_memory=gpu_memory,
-                memory_cap=memory_cap,
-                device=device,
-                max_seq_len=max_seq_len,
-                precision=precision,
-                events=events,
-                cache_dir=cache_dir,
-            )
-        )
-    typer.echo(result.summary(), err=True)
+    flags = dict(locals())  # the parameters, and nothing else yet: InferConfig's fields
+    flags["model"] = flags.pop("model_dir")
+    run_inference(
+        "predict",
+        "torch and transformers",
+        f"loading the model, predicting every row of {file}",
+        flags,
+    )

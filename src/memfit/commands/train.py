@@ -49,10 +49,15 @@ def _flag_fields() -> list[dataclasses.Field[Any]]:
     fields = [
         f
         for f in dataclasses.fields(TrainConfig)
-        if (INHERITED_HELP.get(f.name) if f.name in JOB_FIELDS else f.metadata.get("cli", True))
+        if (_job_help(f) if f.name in JOB_FIELDS else f.metadata.get("cli", True))
     ]
     rank = {name: k for k, name in enumerate(FLAG_ORDER)}
     return sorted(fields, key=lambda f: rank.get(f.name, len(rank)))
+
+
+def _job_help(f: dataclasses.Field[Any]) -> str | None:
+    """A job knob's help line in memfit train (None: not one of its flags)."""
+    return INHERITED_HELP.get(f.name, f.metadata["help"])
 
 
 FLAG_FIELDS = _flag_fields()
@@ -66,7 +71,7 @@ def _switch(f: dataclasses.Field[Any]) -> bool:
 def _parameter(f: dataclasses.Field[Any], hint: Any) -> inspect.Parameter:
     """The flag of field ``f``: None (not given) by default, so that a config file's value
     stands; a switch is False, and --resume (this invocation's, not the file's) shows it."""
-    help = INHERITED_HELP.get(f.name) if f.name in JOB_FIELDS else None
+    help = _job_help(f) if f.name in JOB_FIELDS else None
     if _switch(f) or f.name == "resume":
         return field_parameter(f, bool, help=help, default=False)
     kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from memfit.devices.catalog import find_gpu
 from memfit.devices.profiles import CudaProfile, cuda_profile
 from memfit.errors import UsageError
 from memfit.estimate import traces
@@ -284,48 +285,18 @@ class _Checked(NamedTuple):
 def _checked(
     model: str,
     *,
-    task: str,
-    batch_size: int,
-    seq_len: int,
-    precision: str,
-    optimizer: str,
-    attn_implementation: str,
-    mode: str,
-    device: str,
     gpu_memory: int | str | None,
-    num_labels: int,
-    loss: str | None,
-    mini_batch_size: int | None,
-    lora_rank: int | None,
-    max_seq_len: int | None,
-    world_size: int,
     gpu: str | None,
     gradient_accumulation_steps: int,
-    sharding: str,
-    lora_target_modules: Sequence[str] | None,
     trace_depth: str,
+    **knobs: Any,
 ) -> _Checked:
-    """Check every knob of :func:`estimate` at once; one :class:`UsageError` lists all problems."""
+    """Check every knob of :func:`estimate` at once (``knobs``: :func:`validate`'s); one
+    :class:`UsageError` lists all problems."""
     from memfit.models import resolve_model
 
-    spec, problems = validate(
-        task=task,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer=optimizer,
-        attn_implementation=attn_implementation,
-        mode=mode,
-        device=device,
-        num_labels=num_labels,
-        loss=loss,
-        mini_batch_size=mini_batch_size,
-        lora_rank=lora_rank,
-        max_seq_len=max_seq_len,
-        world_size=world_size,
-        sharding=sharding,
-        lora_target_modules=lora_target_modules,
-    )
+    spec, problems = validate(**knobs)
+    seq_len, max_seq_len = knobs["seq_len"], knobs.get("max_seq_len")
     budget = None
     if gpu_memory is not None:
         try:
@@ -334,8 +305,6 @@ def _checked(
             problems.append(str(exc))
     profile = None
     if gpu is not None:
-        from memfit.devices.catalog import find_gpu
-
         try:
             card = find_gpu(gpu)
             profile = cuda_profile(card.compute_capability)

@@ -39,7 +39,8 @@ from memfit.job import (
 SCHEDULERS = ("linear", "cosine", "constant")
 PADDINGS = ("longest", "max_length")
 
-# the job's knobs as ``memfit train`` shows them (its help line; None: not one of its flags)
+# the job's knobs as ``memfit train`` shows them: its own help line, None where a knob is not
+# one of its flags; a knob not named here is a flag with the job's help line (memfit.job)
 INHERITED_HELP: dict[str, str | None] = {
     "model": "A Hub id (cached), a model folder or a sentence-transformers folder.",
     "task": "classification | causal-lm | sentence-embedding",
@@ -57,7 +58,6 @@ INHERITED_HELP: dict[str, str | None] = {
     "world_size": "Plan key: data-parallel ranks; must match what torchrun/accelerate launched.",
     "sharding": "Plan key: none | fsdp (PyTorch FSDP2) | zero1 | zero2 | zero3 (DeepSpeed).",
     "precision": "Plan key: fp32 | fp16 | bf16.",
-    "optimizer": "adamw | sgd | adamw-8bit | adafactor",
     "gradient_checkpointing": "Plan key: recompute activations.",
     "attn_implementation": None,
     "lora_rank": "Train peft LoRA adapters of this rank (the base stays frozen).",

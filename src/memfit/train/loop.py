@@ -24,12 +24,13 @@ import torch
 from memfit.data.batching import length_grouped_order
 from memfit.data.rows import Row
 from memfit.errors import NothingFitsError, TrainingStoppedError
+from memfit.guard.oom import CatchOom
 from memfit.train import checkpoint as ck
 from memfit.train.config import TrainResult
 from memfit.train.console import Progress, say
 from memfit.train.distributed import shard_rows
 from memfit.train.memory import PeakMemory, snapshot_writer
-from memfit.train.optim import oom_caught, rescale_lr
+from memfit.train.optim import rescale_lr
 from memfit.train.resume import pick_checkpoint, refuse_changed, truncate_metrics
 from memfit.train.setup import RunSetup, next_cure, take, versions
 
@@ -336,7 +337,7 @@ class TrainingRun(RunSetup):
         (exit 4), unless the fp16 loss scaler is on: it skips such a step itself (and says so)."""
         cfg, scaler, optimizer, params = self.cfg, self.scaler, self.optimizer, self.params
         grad_norm, norm = None, None
-        with oom_caught() as caught:
+        with CatchOom() as caught:
             if scaler is not None and not probe:
                 scaler.unscale_(optimizer)
             if cfg.max_grad_norm:
@@ -356,7 +357,7 @@ class TrainingRun(RunSetup):
                 bad = ["another rank's loss or gradient is not finite"]
             if bad:
                 self.stop_not_finite(number, bad)
-        with oom_caught() as caught:
+        with CatchOom() as caught:
             if scaler is not None and not probe:
                 scale = scaler.get_scale()
                 scaler.step(optimizer)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,24 +61,3 @@ def rescale_lr(optimizer: Any, scheduler: Any, lr: float) -> float | None:
         scheduler.base_lrs[i] = lr
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return float(bases[0])
-
-
-class Caught:
-    """What :func:`oom_caught` caught: the first line of the out-of-memory error, or None."""
-
-    error: str | None = None
-
-
-@contextlib.contextmanager
-def oom_caught() -> Iterator[Caught]:
-    """Catch an out-of-memory error (its first line lands in ``.error``); others propagate."""
-    from memfit.guard import is_oom
-
-    caught = Caught()
-    try:
-        yield caught
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        text = str(exc).strip()
-        caught.error = text.splitlines()[0] if text else type(exc).__name__
