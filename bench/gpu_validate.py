@@ -22,6 +22,7 @@ Usage::
 
     python bench/gpu_validate.py                       # default matrix: 45 cases, sized for < 9 min on an H100
     python bench/gpu_validate.py --quick               # 6 cases
+    python bench/gpu_validate.py --qlora               # QLoRA steps (needs bitsandbytes), 8 cases
     python bench/gpu_validate.py --models gpt2 --precisions bf16 --limit 5
     python bench/gpu_validate.py --plan-check          # + memfit.plan against real runs under a budget
     python bench/gpu_validate.py --list                # print the cases, run nothing
@@ -38,6 +39,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -135,6 +137,10 @@ class Case:
     optimizer: str = "adamw"
     loss: str | None = None  # None: the task's default
     num_labels: int = 2
+    # LoRA adapters, and the base weights quantized by bitsandbytes under them (QLoRA)
+    lora_rank: int = 0
+    quantization: str = "none"
+    double_quant: bool = False
 
     @property
     def label(self) -> str:
@@ -149,6 +155,10 @@ class Case:
             parts.append(self.optimizer)
         if self.loss:
             parts.append(self.loss)
+        if self.lora_rank:
+            parts.append(f"lora{self.lora_rank}")
+        if self.quantization != "none":
+            parts.append(self.quantization + ("-dq" if self.double_quant else ""))
         return "/".join([*parts, f"b{self.batch_size}s{self.seq_len}"])
 
     def knobs(self) -> dict[str, Any]:
@@ -209,6 +219,28 @@ QUICK_CASES: tuple[Case, ...] = (
     Case("bert-base-uncased", CLS, 32, 128, "bf16", mode="eval"),
 )
 
+# --qlora: LoRA rank 16 on 4-bit (and 8-bit) base weights, bf16 compute, as QLoRA trains; the
+# child builds real bitsandbytes layers (memfit.estimate.workload.build_model) and moves them to the
+# GPU, where bitsandbytes quantizes them
+QLORA = {"lora_rank": 16, "quantization": "nf4", "double_quant": True}
+QLORA_CASES: tuple[Case, ...] = (
+    Case("meta-llama/Llama-3.2-1B", LM, 4, 512, "bf16", **QLORA),
+    Case("meta-llama/Llama-3.2-1B", LM, 2, 2048, "bf16", gradient_checkpointing=True, **QLORA),
+    Case("meta-llama/Llama-3.2-1B", LM, 4, 512, "bf16", optimizer="paged-adamw-8bit", **QLORA),
+    Case(
+        "meta-llama/Llama-3.2-1B",
+        LM,
+        4,
+        512,
+        "bf16",
+        **{**QLORA, "quantization": "int8", "double_quant": False},
+    ),
+    Case("Qwen/Qwen2.5-0.5B", LM, 4, 512, "bf16", **QLORA),
+    Case("Qwen/Qwen2.5-0.5B", LM, 4, 1024, "bf16", gradient_checkpointing=True, **QLORA),
+    Case("Qwen/Qwen2.5-0.5B", LM, 4, 512, "bf16", **{**QLORA, "double_quant": False}),
+    Case("Qwen/Qwen2.5-0.5B", LM, 8, 512, "bf16", mode="eval", **QLORA),
+)
+
 # --plan-check: (model, task, seq_len) × budgets, effective batch 64
 PLAN_MODELS: tuple[tuple[str, str, int], ...] = (("bert-base-uncased", CLS, 256), ("gpt2", LM, 512))
 PLAN_BUDGETS_GIB: tuple[int, ...] = (6, 10, 16)
@@ -235,7 +267,9 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
     """The cases the flags ask for: the matrix or --quick, filtered by --models/--precisions, --limit."""
     models = _canonical_models(args.models)
     precisions = args.precisions or list(DEFAULT_PRECISIONS)
-    if args.quick:
+    if args.qlora:
+        cases = [c for c in QLORA_CASES if c.precision in precisions]
+    elif args.quick:
         cases = [c for c in QUICK_CASES if c.precision in precisions]
     else:
         cases = build_cases(MATRIX_MODELS, precisions)
@@ -493,6 +527,9 @@ def _spec_for(request: Mapping[str, Any]) -> Any:
         device=request["device"],
         num_labels=request["num_labels"],
         loss=request.get("loss"),
+        lora_rank=request.get("lora_rank") or None,
+        quantization=request.get("quantization", "none"),
+        double_quant=bool(request.get("double_quant", False)),
     )
     if problems:
         raise UsageError("; ".join(problems))
@@ -1458,6 +1495,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=0,
         ),
     ),
+    "tiny-llama": (
+        "llama",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),
 }
 
 
@@ -1479,7 +1528,11 @@ def check_case_lists() -> list[str]:
     cases = build_cases()
     if not 40 <= len(cases) <= 60:
         problems.append(f"the default matrix has {len(cases)} cases (expected 40-60)")
-    for name, listed in (("default", cases), ("quick", list(QUICK_CASES))):
+    for name, listed in (
+        ("default", cases),
+        ("quick", list(QUICK_CASES)),
+        ("qlora", list(QLORA_CASES)),
+    ):
         ids = [c.id for c in listed]
         if len(set(ids)) != len(ids):
             problems.append(f"the {name} matrix repeats a case")
@@ -1488,6 +1541,8 @@ def check_case_lists() -> list[str]:
                 c.task not in memfit_job.TASKS
                 or c.precision not in memfit_job.PRECISIONS
                 or c.mode not in memfit_job.MODES
+                or c.quantization not in memfit_job.QUANTIZATIONS
+                or c.optimizer not in memfit_job.OPTIMIZERS
             ):
                 problems.append(f"{c.id}: unknown knob")
     return problems
@@ -1507,6 +1562,9 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
             Case(models["tiny-bert"], CLS, 4, 32, "fp32", gradient_checkpointing=True),
             Case(models["tiny-gpt2"], LM, 2, 32, "bf16", attn_implementation="eager"),
         ]
+        if importlib.util.find_spec("bitsandbytes") is not None:
+            # the --qlora path: real bitsandbytes layers in the child (they run on the CPU too)
+            cases.append(Case(models["tiny-llama"], LM, 2, 32, "fp32", **QLORA))
         header = collect_header(argv, "cpu", smoke=True, cases=cases)
         path = run_path(Path(args.out) if args.out else Path(tmp) / "results", header)
         print(f"reproduce: {header['reproduce']}", flush=True)
@@ -1584,6 +1642,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--quick", action="store_true", help=f"{len(QUICK_CASES)} cases instead of the matrix"
+    )
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help=f"{len(QLORA_CASES)} QLoRA cases (LoRA on bitsandbytes 4-/8-bit base weights)",
     )
     parser.add_argument("--limit", type=int, default=None, help="run only the first N cases")
     parser.add_argument(

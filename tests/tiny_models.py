@@ -19,12 +19,15 @@ from typing import Any
 from _tiny import SPECIALS, save_bert_tokenizer
 
 __all__ = [
+    "CHAT_TEMPLATE",
+    "LLAMA_SPECIALS",
     "SPECIALS",
     "bert_config",
     "gpt2_config",
     "save_bert",
     "save_bert_tokenizer",
     "save_sentence_transformer",
+    "save_tiny_llama",
 ]
 
 
@@ -101,3 +104,69 @@ def save_sentence_transformer(folder: Path, encoder: Path, *, max_seq_length: in
     transformer = Transformer(str(encoder), max_seq_length=max_seq_length)
     pooling = Pooling(transformer.get_embedding_dimension(), "mean")
     SentenceTransformer(modules=[transformer, pooling], device="cpu").save(str(folder))
+
+
+# a chat template in the shape of Llama's and ChatML's: the reply and its end-of-turn are the
+# assistant's tokens ({% generation %} … {% endgeneration %}); the header is the prompt's
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n"
+    "{% generation %}{{ message['content'] }}<|end|>\n{% endgeneration %}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+LLAMA_SPECIALS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def save_tiny_llama(
+    folder: Path,
+    sentences: Sequence[str],
+    *,
+    chat_template: str | None = CHAT_TEMPLATE,
+    positions: int = 128,
+    seed: int | None = 0,
+) -> Any:
+    """A 2-layer Llama (32 wide, 4 heads over 2 key/value heads, random weights after
+    ``torch.manual_seed(seed)``) saved in ``folder`` with a byte-level BPE trained on
+    ``sentences``: BOS added to every text (as Llama's tokenizer does), EOS ``</s>``, pad
+    ``<pad>``, the chat tokens of :data:`LLAMA_SPECIALS` and ``chat_template`` (None: no
+    template). Returns the tokenizer read back."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=LLAMA_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(list(sentences) * 3, trainer=trainer)
+    bos = bpe.token_to_id("<s>")
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)

@@ -96,6 +96,8 @@ class _Step:
             num_labels=int(request.get("num_labels", 2)),
             loss=loss,
             lora_rank=int(request.get("lora_rank") or 0),
+            quantization=request.get("quantization") or "none",
+            double_quant=bool(request.get("double_quant", False)),
         )
         self.batch_size = int(request["batch_size"])
         if loss == "cached-mnrl":

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -179,6 +180,9 @@ def _quick_exit(code: int) -> None:
 def _main(argv: list[str] | None = None) -> Any:
     # transformers' advice for training scripts is noise for a planning tool
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # bitsandbytes (imported by peft for any LoRA run) warns at import, on CPUs with AVX512-BF16,
+    # that an optional faster kernel package is missing: noise for every estimate and train
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="memfit", standalone_mode=False)

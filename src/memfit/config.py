@@ -47,8 +47,16 @@ PLAN_KEYS = (
     "max_tokens_per_micro_batch",
 )
 RECORD_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes")
-# memfit train's LoRA and tracker settings, accepted in a config file as well as flags
-TRAIN_KEYS = ("lora_target_modules", "merge_lora", "report_to")
+# memfit train's LoRA, tracker and instruction-data settings, accepted in a config file as well
+# as flags
+TRAIN_KEYS = (
+    "lora_target_modules",
+    "merge_lora",
+    "report_to",
+    "prompt_column",
+    "completion_column",
+    "messages_column",
+)
 # every knob of the job is a setting (a new knob of memfit.job is one with no change here)
 KNOWN_KEYS = tuple(dict.fromkeys((*JOB_KEYS, *PLAN_KEYS, *JOB_FIELDS, *TRAIN_KEYS, *RECORD_KEYS)))
 REQUIRED_KEYS = ("model", "task", "seq_len", "micro_batch_size", "gradient_accumulation_steps")

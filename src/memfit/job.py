@@ -21,7 +21,12 @@ from typing import Any
 # --- the vocabulary ---------------------------------------------------------------------------------
 TASKS = ("classification", "causal-lm", "sentence-embedding")
 PRECISIONS = ("fp32", "fp16", "bf16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+# flash_attention_2: the flash-attn package's kernel as transformers calls it (modelled on a CUDA
+# GPU of sm80 or newer; it never runs on the CPU)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# the base weights as bitsandbytes holds them (QLoRA): 4-bit NormalFloat or float, LLM.int8()
+QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
+FOUR_BIT = ("nf4", "fp4")
 MODES = ("train", "eval")
 DEVICES = ("cuda", "cpu")
 # none: every rank holds the whole model (data parallelism); fsdp: PyTorch FSDP2; zero1|2|3:
@@ -57,7 +62,23 @@ OPTIMIZER_TABLE: dict[str, Optimizer] = {
             16,
             saves_memory=True,
             needs="bitsandbytes",
-            hf_names=("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"),
+            hf_names=("adamw_bnb_8bit", "adamw_8bit"),
+        ),
+        # bitsandbytes' paged optimizers keep their state in CUDA unified memory, which the
+        # driver pages out to host memory under pressure: it is not in PyTorch's allocator
+        Optimizer(
+            "paged-adamw-8bit",
+            8,
+            saves_memory=True,
+            needs="bitsandbytes",
+            hf_names=("paged_adamw_8bit",),
+        ),
+        Optimizer(
+            "paged-adamw-32bit",
+            8,
+            saves_memory=True,
+            needs="bitsandbytes",
+            hf_names=("paged_adamw_32bit",),
         ),
         Optimizer("adafactor", 16, saves_memory=True, hf_names=("adafactor",)),
         Optimizer("sgd", 12, hf_names=("sgd",)),
@@ -249,9 +270,11 @@ class Job:
     gradient_checkpointing: bool | None = knob("Recompute activations in backward.")
     """Activation checkpointing: keep each layer's input only, recompute the rest in backward."""
     attn_implementation: str | None = knob(
-        "sdpa | eager (the model's attention kernel).", choices=ATTN_IMPLEMENTATIONS
+        "sdpa | eager | flash_attention_2 (the model's attention kernel).",
+        choices=ATTN_IMPLEMENTATIONS,
     )
-    """The attention implementation transformers runs (SDPA or the eager matmul-softmax)."""
+    """The attention implementation transformers runs (SDPA, the eager matmul-softmax, or the
+    flash-attn package's FlashAttention 2)."""
     lora_rank: int | None = knob(
         "LoRA adapters of this rank (peft); 0: full fine-tuning.", minimum=0
     )
@@ -260,6 +283,14 @@ class Job:
         "LoRA targets: attention | mlp | all-linear | module names (default attention)."
     )
     """Which layers get adapters (groups or module names); only with a rank."""
+    quantization: str | None = knob(
+        "none | nf4 | fp4 | int8: the frozen base weights quantized by bitsandbytes (QLoRA; "
+        "only with --lora-rank).",
+        choices=QUANTIZATIONS,
+    )
+    """Quantized base weights (bitsandbytes): 4-bit NF4/FP4 or LLM.int8(); only under LoRA."""
+    double_quant: bool | None = knob("4-bit: quantize the quantization constants too (QLoRA).")
+    """4-bit only: the per-block scales quantized again (``bnb_4bit_use_double_quant``)."""
     device: str | None = knob("cuda | cpu (default: cuda when there is one).", choices=DEVICES)
     """The device the step runs on."""
 
@@ -309,6 +340,26 @@ class Job:
             )
         if self.lora_target_modules and not _whole(self.lora_rank):
             problems.append("--lora-target-modules: only with --lora-rank R (LoRA adapters)")
+        quantized = self.quantization not in (None, "none")
+        if quantized and not _whole(self.lora_rank) and self.quantization in QUANTIZATIONS:
+            problems.append(
+                f"--quantization {self.quantization}: only with --lora-rank R (QLoRA: quantized "
+                "base weights are frozen; only LoRA adapters train on them)"
+            )
+        if self.double_quant and self.quantization not in FOUR_BIT:
+            problems.append("--double-quant: only with --quantization nf4 or fp4 (4-bit weights)")
+        if self.attn_implementation == "flash_attention_2":
+            # the flash-attn package: CUDA kernels (sm80+) that compute in fp16/bf16 only
+            if self.device == "cpu":
+                problems.append(
+                    "--attn-implementation flash_attention_2: FlashAttention runs on CUDA GPUs "
+                    "only, not --device cpu (use sdpa)"
+                )
+            if self.precision == "fp32":
+                problems.append(
+                    "--attn-implementation flash_attention_2: FlashAttention computes in fp16 or "
+                    "bf16 only; give --precision bf16 (or fp16)"
+                )
         ranks, batch = self.world_size, self.effective_batch_size
         if ranks is not None and _whole(ranks) and _whole(batch) and batch % ranks:
             problems.append(

@@ -186,6 +186,8 @@ def measure_cpu_step(
     loss: str | None = None,
     lora_rank: int = 0,
     mini_batch_size: int | None = None,
+    quantization: str = "none",
+    double_quant: bool = False,
     repeats: int = 3,
     threads: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
@@ -211,6 +213,8 @@ def measure_cpu_step(
         "loss": loss,
         "lora_rank": int(lora_rank),
         "mini_batch_size": mini_batch_size,
+        "quantization": quantization,
+        "double_quant": bool(double_quant),
     }
     return run_measurement(request, repeats=repeats, threads=threads, timeout=timeout)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from estimate_cpu_truth import CUSTOM_CONFIGS
+
 MiB = 2**20
 TOLERANCE = 0.05
 RESIDENT_KEYS = ("parameters", "buffers", "optimizer_state", "runtime_overhead")
@@ -55,6 +57,11 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=512,
         ),
     ),
+    # today's families, as the benchmark has them (bench/estimate_cpu_truth.py)
+    **{
+        name: CUSTOM_CONFIGS[name]
+        for name in ("llama-mini", "qwen2-mini", "gemma2-mini", "phi3-mini", "modernbert-mini")
+    },
 }
 
 # (config, task, batch, seq, knobs)
@@ -90,6 +97,39 @@ CASES = [
     pytest.param("bert-l4-h256", "classification", 8, 128, {"lora_rank": 8}, id="bert-lora"),
     # GPT-2's fused query-key-value and its attention output (memfit's table for gpt2)
     pytest.param("gpt2-l2-v50257", "causal-lm", 4, 64, {"lora_rank": 8}, id="gpt2-lora"),
+    # decoder families: the fp32 logits over the vocabulary and their gradients peak the backward
+    pytest.param("llama-mini", "causal-lm", 4, 128, {}, id="llama-train"),
+    pytest.param("llama-mini", "causal-lm", 8, 128, {"mode": "eval"}, id="llama-eval"),
+    pytest.param(
+        "qwen2-mini",
+        "causal-lm",
+        2,
+        128,
+        {"gradient_checkpointing": True},
+        id="qwen2-vocab151936-checkpointing",
+    ),
+    pytest.param(
+        "gemma2-mini",
+        "causal-lm",
+        4,
+        128,
+        {"attn_implementation": "eager"},
+        id="gemma2-softcapping-train",
+    ),
+    pytest.param(
+        "phi3-mini", "causal-lm", 4, 128, {"gradient_checkpointing": True}, id="phi3-checkpointing"
+    ),
+    pytest.param("phi3-mini", "causal-lm", 8, 128, {"mode": "eval"}, id="phi3-eval"),
+    # ModernBERT: local and global attention layers
+    pytest.param("modernbert-mini", "classification", 32, 256, {}, id="modernbert-train"),
+    pytest.param(
+        "modernbert-mini",
+        "classification",
+        32,
+        256,
+        {"gradient_checkpointing": True},
+        id="modernbert-checkpointing",
+    ),
 ]
 
 

@@ -21,6 +21,7 @@ def test_every_problem_at_once_each_naming_its_flag() -> None:
         sharding="zero4",
         lora_rank=-1,
         attn_implementation="flash",
+        quantization="nf2",
     )
     problems = bad.problems(flags={"micro_batch_size": "--batch-size"})
     assert problems == [
@@ -28,8 +29,11 @@ def test_every_problem_at_once_each_naming_its_flag() -> None:
         "sentence-embedding",
         "--sharding: unknown value 'zero4'; choose one of none, zero1, zero2, zero3, fsdp",
         "--precision: unknown value 'fp8'; choose one of fp32, fp16, bf16",
-        "--optimizer: unknown value 'lion'; choose one of adamw, adamw-8bit, adafactor, sgd",
-        "--attn-implementation: unknown value 'flash'; choose one of sdpa, eager",
+        "--optimizer: unknown value 'lion'; choose one of adamw, adamw-8bit, paged-adamw-8bit, "
+        "paged-adamw-32bit, adafactor, sgd",
+        "--attn-implementation: unknown value 'flash'; choose one of sdpa, eager, "
+        "flash_attention_2",
+        "--quantization: unknown value 'nf2'; choose one of none, nf4, fp4, int8",
         "--seq-len: must be a whole number ≥ 1, got -3",
         "--batch-size: must be a whole number ≥ 1, got 0",
         "--lora-rank: must be a whole number ≥ 0, got -1",
@@ -95,8 +99,20 @@ def test_every_field_is_a_documented_flag() -> None:
 
 
 def test_the_optimizer_table_is_the_vocabulary() -> None:
-    assert job.OPTIMIZERS == ("adamw", "adamw-8bit", "adafactor", "sgd")
-    assert job.SWAP_OPTIMIZERS == ("adamw-8bit", "adafactor")
+    assert job.OPTIMIZERS == (
+        "adamw",
+        "adamw-8bit",
+        "paged-adamw-8bit",
+        "paged-adamw-32bit",
+        "adafactor",
+        "sgd",
+    )
+    assert job.SWAP_OPTIMIZERS == (
+        "adamw-8bit",
+        "paged-adamw-8bit",
+        "paged-adamw-32bit",
+        "adafactor",
+    )
     names = [n for o in job.OPTIMIZER_TABLE.values() for n in o.hf_names]
     assert len(names) == len(set(names)), "an HF optim value names two optimizers"
 
@@ -116,3 +132,16 @@ def test_config_files_accept_every_knob_with_its_type() -> None:
     assert {"micro_batch_size", "lora_rank", "world_size"} <= config._INT_KEYS
     assert "gradient_checkpointing" in config._BOOL_KEYS
     assert "lora_target_modules" in config._TEXT_OR_LIST_KEYS
+
+
+def test_quantized_base_weights_only_under_lora() -> None:
+    qlora = Job(model="m", task="causal-lm", lora_rank=8, quantization="nf4", double_quant=True)
+    assert qlora.problems() == []
+    assert Job(model="m", task="causal-lm", quantization="none").problems() == []
+    assert Job(model="m", task="causal-lm", quantization="int8").problems() == [
+        "--quantization int8: only with --lora-rank R (QLoRA: quantized base weights are frozen; "
+        "only LoRA adapters train on them)"
+    ]
+    assert Job(
+        model="m", task="causal-lm", lora_rank=8, quantization="int8", double_quant=True
+    ).problems() == ["--double-quant: only with --quantization nf4 or fp4 (4-bit weights)"]

@@ -45,20 +45,56 @@ def data_profile_command(
         int | None,
         typer.Option(help="Report what truncating (and padding) to this many tokens does."),
     ] = None,
+    prompt_column: Annotated[
+        str | None,
+        typer.Option(help="Prompt/completion rows: the prompt column (with --completion-column)."),
+    ] = None,
+    completion_column: Annotated[
+        str | None,
+        typer.Option(help="Prompt/completion rows: a row is prompt + completion + eos."),
+    ] = None,
+    messages_column: Annotated[
+        str | None,
+        typer.Option(help="Chat rows: messages rendered with the tokenizer's chat template."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes."""
+    """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes.
+
+    Instruction rows (--prompt-column/--completion-column, --messages-column) are measured as
+    memfit train --task causal-lm renders them."""
     if model is not None and tokenizer is not None:
         raise UsageError("give --model or --tokenizer, not both (--tokenizer alone is enough)")
     if max_seq_len is not None and max_seq_len < 1:
         raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
+    from memfit.data.instructions import flag_problems
+
+    # the rows as memfit train --task causal-lm reads them, with the same flags and checks
+    problems = flag_problems(
+        task="causal-lm",
+        prompt_column=prompt_column,
+        completion_column=completion_column,
+        messages_column=messages_column,
+        packing=False,
+        text_column=text_column,
+    )
+    if problems:
+        raise UsageError("\n".join(problems))
     with progress.status("loading transformers", subject=f"memfit data profile {file}"):
         from memfit.plan.data_profile import DataProfile, tokenizer_folder
 
         folder = tokenizer_folder(model, tokenizer, model_flag="--model")
         columns = [c.strip() for c in text_column.split(",") if c.strip()]
         progress.report("reading and tokenizing every row")
-        profile = DataProfile.from_file(file, columns, folder, flag="FILE")
+        profile = DataProfile.from_file(
+            file,
+            columns,
+            folder,
+            flag="FILE",
+            prompt_column=prompt_column,
+            completion_column=completion_column,
+            messages_column=messages_column,
+        )
     if as_json:
         typer.echo(json.dumps(profile.to_dict(max_seq_len)))
     else:

@@ -44,6 +44,8 @@ def doctor_command(
     num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
     loss: Annotated[str | None, typer.Option(help="sentence-embedding loss.")] = None,
     lora_rank: Annotated[int | None, typer.Option(help="The job trains LoRA adapters.")] = None,
+    quantization: str | None = KNOB,
+    double_quant: bool | None = KNOB,
     gradient_accumulation_steps: Annotated[
         int, typer.Option(help="Micro-batches per optimizer step.")
     ] = 1,
@@ -76,6 +78,7 @@ def doctor_command(
             model=model, task=task, batch_size=batch_size, seq_len=seq_len, precision=precision,
             gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
             num_labels=num_labels, loss=loss, lora_rank=lora_rank,
+            quantization=quantization, double_quant=double_quant,
             gradient_accumulation_steps=gradient_accumulation_steps,
         )  # fmt: skip
     # pricing the fixes runs memfit estimate (torch, traces: seconds), as a run folder's does;

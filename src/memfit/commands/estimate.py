@@ -13,6 +13,7 @@ from memfit import progress
 from memfit.commands._options import KNOB, TraceDepth, job_knobs
 from memfit.errors import UsageError
 from memfit.report.console import print_estimate
+from memfit.units import format_bytes
 
 
 def _trace_depth_line(details: dict[str, Any]) -> str | None:
@@ -34,6 +35,38 @@ def _trace_depth_line(details: dict[str, Any]) -> str | None:
         layers = f"all {depth} layers" if depth is not None else "every layer"
         return f"traced {layers}" + (f": {reason}" if reason else "")
     return f"trace depth: {info.get('mode')}{of}" if info.get("mode") else None
+
+
+def _quantization_line(details: dict[str, Any]) -> str | None:
+    """One line on the quantized base weights (``details["quantization"]``), if any."""
+    info = details.get("quantization")
+    if not isinstance(info, dict):
+        return None
+    scheme = str(info.get("scheme"))
+    double = " with double quantization" if info.get("double_quant") else ""
+    kept = ", ".join(info.get("kept_modules") or ()) or "none"
+    compute = f", computing in {info['compute_dtype']}" if scheme != "int8" else ""
+    return (
+        f"base weights: {scheme}{double} (bitsandbytes){compute}: "
+        f"{format_bytes(int(info.get('quantized_bytes') or 0))} for "
+        f"{int(info.get('quantized_parameters') or 0):,} quantized parameters; "
+        f"kept unquantized (fp32): {kept}"
+    )
+
+
+def _paged_line(details: dict[str, Any], optimizer: str, device: str) -> str | None:
+    """One line on a paged optimizer's state (``details["paged_optimizer_state_bytes"]``)."""
+    paged = details.get("paged_optimizer_state_bytes")
+    if paged is None:
+        return None
+    if device != "cuda":
+        return (
+            f"{optimizer}: nothing is paged on the CPU; its state is in the optimizer state above"
+        )
+    return (
+        f"{optimizer}: {format_bytes(int(paged))} of optimizer state in CUDA unified memory, not "
+        "in the peak above (the driver pages it out to host memory when the GPU runs short)"
+    )
 
 
 @job_knobs
@@ -62,7 +95,9 @@ def estimate_command(
     gradient_checkpointing: Annotated[
         bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward.")
     ] = False,
-    attn_implementation: Annotated[str, typer.Option(help="sdpa | eager")] = "sdpa",
+    attn_implementation: Annotated[
+        str, typer.Option(help="sdpa | eager | flash_attention_2 (CUDA, sm80+, fp16/bf16)")
+    ] = "sdpa",
     mode: Annotated[str, typer.Option(help="train | eval")] = "train",
     device: Annotated[
         str, typer.Option(help="cuda | cpu: the device whose memory to predict.")
@@ -84,6 +119,8 @@ def estimate_command(
         ),
     ] = None,
     max_seq_len: int | None = KNOB,
+    quantization: str | None = KNOB,
+    double_quant: bool | None = KNOB,
     world_size: Annotated[
         int, typer.Option(help="Data-parallel ranks: the memory of one of them.")
     ] = 1,
@@ -144,14 +181,21 @@ def estimate_command(
             gpu=gpu,
             gradient_accumulation_steps=gradient_accumulation_steps,
             trace_depth=trace_depth,
+            quantization=quantization or "none",
+            double_quant=bool(double_quant),
         )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
         print_estimate(result)
-        depth_line = _trace_depth_line(result.details)
-        if depth_line is not None:
-            typer.echo(depth_line)
+        lines = (
+            _quantization_line(result.details),
+            _paged_line(result.details, optimizer, device),
+            _trace_depth_line(result.details),
+        )
+        for line in lines:
+            if line is not None:
+                typer.echo(line)
     if plot is not None:
         title = f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}"
         _draw(result, plot, title, subject=f"memfit estimate {model}")

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -62,9 +63,13 @@ def plan_command(
     allow: Annotated[
         str | None,
         typer.Option(
-            help="Levers that change the recipe, comma-separated: optimizer,truncation,lora"
+            help="Levers that change the recipe, comma-separated: optimizer,truncation,lora,"
+            "quantization (quantization needs lora or --lora-rank)"
         ),
     ] = None,
+    lora_rank: int | None = KNOB,
+    quantization: str | None = KNOB,
+    double_quant: bool | None = KNOB,
     train_file: Annotated[
         str | None,
         typer.Option(help="Training data (file or folder, as memfit train reads) for lengths."),
@@ -75,6 +80,18 @@ def plan_command(
     tokenizer: Annotated[
         str | None,
         typer.Option(help="A local tokenizer folder for --train-file (default: MODEL's folder)."),
+    ] = None,
+    prompt_column: Annotated[
+        str | None,
+        typer.Option(help="Prompt/completion rows of --train-file: the prompt column."),
+    ] = None,
+    completion_column: Annotated[
+        str | None,
+        typer.Option(help="Prompt/completion rows of --train-file: the completion column."),
+    ] = None,
+    messages_column: Annotated[
+        str | None,
+        typer.Option(help="Chat rows of --train-file, rendered with the chat template."),
     ] = None,
     safety_margin: Annotated[
         float, typer.Option(help="Share of the budget kept free (0.05 = 5 %).")
@@ -99,12 +116,28 @@ def plan_command(
         raise UsageError("--text-column and --tokenizer describe --train-file: give it too")
     if train_file is not None and not columns:
         raise UsageError("--text-column: give at least one column name")
+    instructions = {
+        "prompt_column": prompt_column,
+        "completion_column": completion_column,
+        "messages_column": messages_column,
+    }
+    if any(v is not None for v in instructions.values()):
+        from memfit.data.instructions import flag_problems
+
+        if train_file is None:
+            raise UsageError(
+                "--prompt-column/--completion-column/--messages-column describe --train-file: "
+                "give it too"
+            )
+        problems = flag_problems(task=task, packing=False, text_column=text_column, **instructions)
+        if problems:
+            raise UsageError(problems[0])
     # on screen before torch is imported; the estimates the plan runs refine it
     with progress.status("loading torch and transformers", subject=f"memfit plan {model}"):
         from memfit.plan import plan
 
         profile, tokenizer, seq_len, seq_len_note = _data_lengths(
-            model, train_file, columns, tokenizer, seq_len
+            model, train_file, columns, tokenizer, seq_len, instructions
         )
         budget = gpu_memory or gpu or "this machine's GPU"
         progress.report(f"fitting batch {effective_batch_size} × {seq_len} tokens into {budget}")
@@ -124,12 +157,24 @@ def plan_command(
             safety_margin=safety_margin,
             num_labels=num_labels,
             trace_depth=trace_depth,
+            lora_rank=lora_rank,
+            quantization=quantization,
+            double_quant=double_quant,
         )
     if seq_len_note is not None:
         result.explanation.insert(0, seq_len_note)
+    if train_file is not None and result.chosen is not None:
+        # the memfit train command names the data the plan read
+        result.train_file = train_file
+        result.data_flags = _data_flags(text_column, instructions)
+        result.explanation = [
+            f"Train: {result.train_command()}" if line.startswith("Train: ") else line
+            for line in result.explanation
+        ]
     if write_config is not None and result.chosen is not None:
         job = {"model": model, "task": task, "num_labels": num_labels, "seq_len": seq_len}
         data = {"train_file": train_file, "columns": columns, "tokenizer": tokenizer}
+        data |= instructions
         _write_plan(write_config, result, job, effective_batch_size, data, safety_margin)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
@@ -149,16 +194,25 @@ def _data_lengths(
     columns: list[str],
     tokenizer: str | None,
     seq_len: int | None,
+    instructions: dict[str, str | None],
 ) -> tuple[DataProfile | None, str | None, int, str | None]:
-    """With --train-file: its length profile and the tokenizer folder that counted them. The
-    sequence length: --seq-len, else the data's longest sample (and a line saying so)."""
+    """With --train-file: its length profile (instruction rows as rendered) and the tokenizer
+    folder that counted them. The sequence length: --seq-len, else the data's longest sample
+    (and a line saying so)."""
     from memfit.plan.data_profile import DataProfile, tokenizer_folder
 
     profile = None
     if train_file is not None:
         progress.report(f"tokenizing {train_file} for its lengths")
         tokenizer = tokenizer_folder(model, tokenizer, model_flag="MODEL")
-        profile = DataProfile.from_file(train_file, columns, tokenizer)
+        profile = DataProfile.from_file(
+            train_file,
+            columns,
+            tokenizer,
+            prompt_column=instructions["prompt_column"],
+            completion_column=instructions["completion_column"],
+            messages_column=instructions["messages_column"],
+        )
     if seq_len is not None:
         return profile, tokenizer, seq_len, None
     assert profile is not None
@@ -177,6 +231,15 @@ def _data_lengths(
         )
     )
     return profile, tokenizer, seq_len, note
+
+
+def _data_flags(text_column: str, instructions: dict[str, str | None]) -> str:
+    """How memfit train reads --train-file, as flags: the instruction columns, or a text column
+    other than the default."""
+    given = {k: v for k, v in instructions.items() if v is not None}
+    if given:
+        return " ".join(f"--{k.replace('_', '-')} {shlex.quote(v)}" for k, v in given.items())
+    return "" if text_column == "text" else f"--text-column {shlex.quote(text_column)}"
 
 
 def _write_plan(
@@ -201,6 +264,9 @@ def _write_plan(
         if train_file is None
         else (columns[0] if len(columns) == 1 else columns),
         "tokenizer": data["tokenizer"],
+        "prompt_column": data.get("prompt_column"),
+        "completion_column": data.get("completion_column"),
+        "messages_column": data.get("messages_column"),
         **result.chosen.settings(),
         "gpu": result.gpu,
         "budget_bytes": result.budget_bytes,

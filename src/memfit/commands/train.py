@@ -33,7 +33,8 @@ FLAG_ORDER = (
     "gradient_accumulation_steps", "world_size", "sharding", "precision",
     "gradient_checkpointing", "max_seq_len", "mini_batch_size", "max_tokens_per_micro_batch",
     "labels", "num_labels", "skip_bad_rows", "cache_dir", "group_by_length", "probe", "padding",
-    "memory_snapshot", "lora_rank", "lora_target_modules", "merge_lora", "report_to",
+    "memory_snapshot", "lora_rank", "lora_target_modules", "quantization", "double_quant",
+    "merge_lora", "report_to",
 )  # fmt: skip
 # a planned config's keys that describe the plan, not the run
 PLAN_ONLY_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes", "tokenizer")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from memfit.data.instructions import parse_messages
 from memfit.data.labels import LabelRule, label_kind, label_text
 from memfit.data.records import TOO_DEEP, FileProblem, read_records
 from memfit.data.sources import Source, resolve_sources
@@ -136,7 +137,9 @@ def problem_at(where_text: str, reason: str) -> Problem:
 # --- columns -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Column:
-    """A column a recipe needs: ``text`` (a non-empty string) or ``label`` (integer or name)."""
+    """A column a recipe needs: ``text`` (a non-empty string), ``label`` (integer or name) or
+    ``messages`` (chat messages with an assistant turn, kept as their JSON text: see
+    :func:`memfit.data.instructions.parse_messages`)."""
 
     name: str
     kind: str = "text"
@@ -254,6 +257,13 @@ def _check(record: Any, columns: Sequence[Column], labels: LabelRule) -> tuple[R
                 reasons.append(f"label {_shown(value)} {bad}")
                 continue
             row[column.name] = label
+        elif column.kind == "messages":
+            messages, problem = parse_messages(value, column.name)
+            if messages is None:
+                reasons.append(problem or f"column {column.name!r} is not a list of messages")
+            else:
+                # JSON text: one Arrow type whatever keys the messages carry
+                row[column.name] = json.dumps(messages, ensure_ascii=False)
         else:
             if value is None or (isinstance(value, str) and not value.strip()):
                 reasons.append(f"column {column.name!r} is empty")

@@ -17,6 +17,8 @@ from memfit.devices.catalog import find_gpu
 from memfit.devices.profiles import CudaProfile, cuda_profile
 from memfit.errors import UsageError
 from memfit.estimate import traces
+from memfit.estimate.attention import attention_run
+from memfit.estimate.flash_attention_emulation import flash_attention_gpu_problem
 from memfit.estimate.replay import Peak
 from memfit.estimate.sharding import ddp_bucket_sizes, none_details
 from memfit.estimate.sharding import layout as sharding_layout
@@ -27,6 +29,7 @@ from memfit.job import (
     DEFAULT_LOSS,
     DEFAULT_MINI_BATCH_SIZE,
     MODES,
+    QUANTIZATIONS,
     TRACE_DEPTHS,
     Job,
     choice_problem,
@@ -91,6 +94,8 @@ def validate(
     world_size: Any = 1,
     sharding: Any = "none",
     lora_target_modules: Any = None,
+    quantization: Any = "none",
+    double_quant: Any = False,
 ) -> tuple[StepSpec, list[str]]:
     """Check every knob at once; return the spec and the list of problems (empty when fine).
 
@@ -112,6 +117,8 @@ def validate(
         mini_batch_size=mini_batch_size,
         lora_rank=lora_rank,
         lora_target_modules=list(lora_target_modules) if lora_target_modules else None,
+        quantization=quantization,
+        double_quant=double_quant,
         max_seq_len=max_seq_len,
         world_size=world_size,
         sharding=sharding,
@@ -146,6 +153,8 @@ def validate(
         loss=resolve_loss(task, loss, []),
         lora_rank=lora_rank if _whole(lora_rank, minimum=0) else 0,
         lora_targets=tuple(str(x).strip() for x in lora_target_modules or () if str(x).strip()),
+        quantization=quantization if quantization in QUANTIZATIONS else "none",
+        double_quant=double_quant is True,
     )
     return spec, problems
 
@@ -178,6 +187,8 @@ def estimate(
     sharding: str = "none",
     lora_target_modules: Sequence[str] | None = None,
     trace_depth: str = "auto",
+    quantization: str = "none",
+    double_quant: bool = False,
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
@@ -201,6 +212,11 @@ def estimate(
     where layers alternate) and writes out the trace of every layer exactly (see
     :mod:`memfit.estimate.depth`; ``details["trace_depth"]`` says what was done), falling back
     to the whole model where the layers do not repeat; ``full`` always traces every layer.
+    ``quantization`` nf4 | fp4 | int8 (with ``lora_rank``: QLoRA) holds the frozen base weights
+    as bitsandbytes does, 4-bit ones with ``double_quant`` optionally, computing in the
+    ``precision``'s dtype (see :mod:`memfit.estimate.quantized`; ``details["quantization"]``).
+    The paged optimizers' state in CUDA unified memory is not in a CUDA estimate's total:
+    ``details["paged_optimizer_state_bytes"]``.
     """
     checked = _checked(
         model,
@@ -224,12 +240,17 @@ def estimate(
         sharding=sharding,
         lora_target_modules=lora_target_modules,
         trace_depth=trace_depth,
+        quantization=quantization,
+        double_quant=double_quant,
     )
     model_spec, seq_len = checked.model_spec, checked.seq_len
     accumulate = gradient_accumulation_steps > 1 and checked.spec.mode == "train"
     spec = StepSpec(
         **{**checked.spec.__dict__, "gradient_checkpointing": bool(gradient_checkpointing)}
     )
+    # the attention transformers runs: eager where the architecture has no SDPA (Gemma-2,
+    # DeBERTa-v2, MPNet); a UsageError where it has no FlashAttention or no head for the task
+    spec = dataclasses.replace(spec, attn_implementation=attention_run(model_spec.config, spec))
 
     started = time.perf_counter()
     spec, traced_batch, extra_rows = _cached_loss_split(spec, batch_size, mini_batch_size)
@@ -254,6 +275,9 @@ def estimate(
         profile=checked.profile,
         started=started,
     )
+    details |= _quantization_details(traced, model_spec.cache_key())
+    if spec.attn_implementation != attn_implementation:
+        details["attn_implementation_run"] = spec.attn_implementation
     if traced.changed():
         traces.save_traces()
     details |= _sharding_details(traced, sharding, world)
@@ -308,6 +332,9 @@ def _checked(
         try:
             card = find_gpu(gpu)
             profile = cuda_profile(card.compute_capability)
+            attention = knobs.get("attn_implementation")
+            if problem := flash_attention_gpu_problem(attention, gpu, card.compute_capability):
+                problems.append(problem)
             if budget is None:
                 budget = card.memory_bytes
         except UsageError as exc:
@@ -387,6 +414,33 @@ def _details(
         details["mini_batch_size"] = shape[0]
     if spec.lora_rank:
         details["lora_rank"] = spec.lora_rank
+    return details
+
+
+_QUANTIZATION_SUMMARIES: dict[tuple[Any, StepSpec], Any] = {}
+
+
+def _quantization_details(traced: Traced, model_key: Any) -> dict[str, Any]:
+    """What bitsandbytes holds (``details["quantization"]``, counted once per model and knobs in
+    this process; ``num_parameters`` then counts the quantized weights, not their packed bytes)
+    and, for a paged optimizer, its state in CUDA unified memory (outside the total on CUDA; on
+    the CPU nothing is paged and it is optimizer state: 0)."""
+    from memfit.estimate import quantized
+
+    spec, details = traced.spec, {}
+    if spec.quantization != "none":
+        key = (model_key, spec)
+        if key not in _QUANTIZATION_SUMMARIES:
+            _QUANTIZATION_SUMMARIES[key] = quantized.quantization_summary(traced.config, spec)
+        summary = _QUANTIZATION_SUMMARIES[key]
+        details["quantization"] = summary.details()
+        details["num_parameters"] = (
+            traced.trace.num_parameters - summary.stored_elements + summary.quantized_parameters
+        )
+    if spec.optimizer in quantized.PAGED_OPTIMIZERS and spec.mode == "train":
+        shapes = [p.shape for p in traced.trace.params if p.trainable]
+        paged = quantized.paged_state_bytes(shapes, spec.optimizer)
+        details["paged_optimizer_state_bytes"] = paged if spec.device == "cuda" else 0
     return details
 
 

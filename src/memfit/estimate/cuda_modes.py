@@ -3,6 +3,8 @@
 On the CPU the fake CPU trace is the device: no mode at all. For CUDA, the step runs under the
 emulations of :mod:`memfit.estimate.autocast_emulation` (mixed precision) and
 :mod:`memfit.estimate.sdpa_emulation`, and with CUDA's dropout (:class:`CudaDropout`).
+``flash_attention_2`` needs no mode: the model's config names memfit's stand-in for the flash-attn
+package (:mod:`memfit.estimate.flash_attention_emulation`, chosen by ``workload._task_config``).
 """
 
 from __future__ import annotations

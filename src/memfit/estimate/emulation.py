@@ -5,7 +5,9 @@ without a GPU. Everything a CUDA run does differently from that CPU trace, and t
 allocated, has to be emulated while tracing. The emulations are ``TorchFunctionMode``s:
 :class:`~memfit.estimate.autocast_emulation.CudaAutocast` (CUDA's autocast: op lists, cast policies,
 weight cache) and :class:`~memfit.estimate.sdpa_emulation.CudaSdpa` (``F.scaled_dot_product_attention``
-as an sm80+ GPU runs it); :mod:`memfit.estimate.cuda_modes` enters them for a CUDA trace. Both only
+as an sm80+ GPU runs it); :mod:`memfit.estimate.cuda_modes` enters them for a CUDA trace
+(transformers' ``flash_attention_2`` is emulated by an attention function registered with
+transformers instead: :mod:`memfit.estimate.flash_attention_emulation`). They only
 change *what is allocated and in which dtype*; the numbers they compute are meaningless where a fused
 kernel is emulated (outputs are zero-filled).
 

@@ -30,6 +30,7 @@ from memfit.estimate.sdpa_kernels import (
     EfficientAttention,
     FlashAttention,
     _padded_mask_bytes,
+    pad_head_dim,
     placeholder,
     sm_number,
 )
@@ -234,14 +235,6 @@ def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> to
     return expanded
 
 
-def _pad_last_dim(t: torch.Tensor, alignment: int) -> torch.Tensor:
-    # attention.cpp pad_last_dim<8, false>
-    if t.shape[-1] % alignment == 0:
-        return t
-    # why: FlashAttention V2 needs head_dim % 8 == 0: a padded copy, saved by the flash op
-    return F.pad(t, (0, alignment - t.shape[-1] % alignment))
-
-
 def _repeat_kv(query: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     # attention.cpp pre_process_group_query_attention_input
     if kv.shape[-3] == query.shape[-3]:
@@ -408,7 +401,7 @@ class CudaSdpa(TorchFunctionMode):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
     ) -> torch.Tensor:
         head_dim = q.shape[-1]
-        q_pad, k_pad, v_pad = (_pad_last_dim(t, 8) for t in (q, k, v))
+        q_pad, k_pad, v_pad = (pad_head_dim(t) for t in (q, k, v))
         out = FlashAttention.apply(q_pad, k_pad, v_pad, float(dropout_p), self.num_sms)
         assert isinstance(out, torch.Tensor)
         # post_process_flash_output: a view back to the original head dim

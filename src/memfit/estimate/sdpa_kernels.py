@@ -24,9 +24,13 @@ __all__ = [
     "EfficientAttention",
     "FlashAttention",
     "efficient_attention_backward_workspace_bytes",
+    "flash_deterministic_splits",
     "flash_forward_num_splits",
+    "flash_head_dim_rounded",
+    "pad_head_dim",
     "placeholder",
     "sm_number",
+    "sum_grouped_head_grads",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -106,6 +110,50 @@ def _ceil_div(x: int, y: int) -> int:
 
 
 # -- flash attention --------------------------------------------------------------------------------
+# PyTorch's flash backend is a copy of flash-attn 2's ``csrc/flash_attn/flash_api.cpp`` (mha_fwd,
+# mha_bwd); the helpers below are what both use. ``transformers``' ``flash_attention_2`` calls the
+# flash-attn package itself: see :mod:`memfit.estimate.flash_attention_emulation`.
+
+
+def flash_head_dim_rounded(head_dim: int) -> int:
+    """flash_api.cpp ``head_size_rounded``: a multiple of 32 up to 192, else 256."""
+    rounded = _round_up(head_dim, 32)
+    return rounded if rounded <= 192 else 256
+
+
+def flash_deterministic_splits(num_sms: int, batch: int, heads: int) -> int:
+    """mha_bwd's deterministic ``dq_accum`` splits: ``ceil(num_SMs / (b * h))``."""
+    return _ceil_div(num_sms, batch * heads)
+
+
+def pad_head_dim(t: torch.Tensor, alignment: int = 8) -> torch.Tensor:
+    """The head dim padded to a multiple of ``alignment`` (a copy), or ``t`` itself if it is one.
+
+    FlashAttention 2 needs head_dim % 8 == 0: SDPA's composite (attention.cpp ``pad_last_dim<8,
+    false>``) and flash-attn's ``mha_fwd`` pad q, k and v, and the kernel saves the padded copies.
+    """
+    if t.shape[-1] % alignment == 0:
+        return t
+    # why: a padded copy of the whole tensor, saved for backward by the flash op
+    return torch.nn.functional.pad(t, (0, alignment - t.shape[-1] % alignment))
+
+
+def sum_grouped_head_grads(dk: torch.Tensor, dv: torch.Tensor, heads: int) -> None:
+    """mha_bwd / mha_varlen_bwd for MQA/GQA: dK and dV of every query head, summed per group.
+
+    ``dk``/``dv`` are (..., heads_k, D); the kernel writes ``dk_expanded``/``dv_expanded``
+    (..., heads, D) in the inputs' dtype, then ``at::sum_out`` reduces each group into dk/dv.
+    """
+    *lead, heads_k, _ = dk.shape
+    group = heads // heads_k
+    # why: ``dk_expanded = torch::empty({..., num_heads, head_size})`` and the same for dV
+    expanded = [
+        torch.zeros((*lead, heads, t.shape[-1]), dtype=t.dtype, device=t.device) for t in (dk, dv)
+    ]
+    for grad, full in zip((dk, dv), expanded, strict=True):
+        torch.sum(full.view(*lead, heads_k, group, grad.shape[-1]), dim=-2, out=grad)
+    # why: locals of mha_bwd, freed when it returns
+    del expanded
 
 
 def flash_forward_num_splits(
@@ -155,12 +203,22 @@ def flash_forward_num_splits(
 class FlashAttention(torch.autograd.Function):
     """``_scaled_dot_product_flash_attention`` on CUDA (attention.cu -> flash_api.cpp mha_fwd/mha_bwd).
 
-    Inputs are (B, H, L, D) with D already padded to a multiple of 8 by the SDPA composite.
+    Inputs are (B, H, L, D) with D already padded to a multiple of 8 (:func:`pad_head_dim`).
+    ``flash_attn_package``: the same kernel as the flash-attn package's ``FlashAttnFunc`` runs
+    it (``flash_attn/flash_attn_interface.py``): one int64 ``rng_state``, and its backward copies
+    ``dout``/``out`` only when their last dim is strided (``maybe_contiguous``) where PyTorch's
+    ``_flash_attention_backward`` makes them contiguous.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, num_sms: int
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float,
+        num_sms: int,
+        flash_attn_package: bool = False,
     ) -> torch.Tensor:
         batch, heads, seqlen_q, head_dim = q.shape
         seqlen_k = k.shape[2]
@@ -182,24 +240,33 @@ class FlashAttention(torch.autograd.Function):
             dims, functools.partial(_split_kv_bytes, dropout_p, num_sms, lse=False)
         ):
             out_accum = placeholder(_split_kv_bytes(dropout_p, num_sms, *dims, lse=False), q.device)
-        # why: mha_fwd ``rng_state = at::empty({2}, kUInt64)`` and ``_unused = at::empty({}, kUInt64)``
-        # (CUDA tensors, returned as philox seed/offset and saved for backward, dropout or not)
-        philox_seed = torch.empty((2,), dtype=torch.uint64, device=q.device)
-        philox_offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        rng: tuple[torch.Tensor, ...]
+        if flash_attn_package:
+            # why: flash-attn's mha_fwd ``rng_state = torch::empty({2}, kInt64)``, saved
+            rng = (torch.empty((2,), dtype=torch.int64, device=q.device),)
+        else:
+            # why: PyTorch's mha_fwd ``rng_state = at::empty({2}, kUInt64)`` and ``_unused =
+            # at::empty({}, kUInt64)`` (returned as philox seed/offset, saved, dropout or not)
+            rng = (
+                torch.empty((2,), dtype=torch.uint64, device=q.device),
+                torch.empty((), dtype=torch.uint64, device=q.device),
+            )
         # why: the split-KV accumulators are locals of mha_fwd: freed when the kernel returns
         del lse_accum, out_accum
         out_t.zero_()
         logsumexp.zero_()
         out = out_t.transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, logsumexp, philox_seed, philox_offset)
+        ctx.save_for_backward(q, k, v, out, logsumexp, *rng)
         ctx.num_sms = num_sms
+        ctx.flash_attn_package = flash_attn_package
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, _logsumexp, _seed, _offset = ctx.saved_tensors
+        q, k, v, out = ctx.saved_tensors[:4]
         with autocast_excluded():
-            return (*_flash_backward(grad_out, q, k, v, out, ctx.num_sms), None, None)
+            grads = _flash_backward(grad_out, q, k, v, out, ctx.num_sms, ctx.flash_attn_package)
+        return (*grads, None, None, None)
 
 
 def _deterministic() -> bool:
@@ -217,29 +284,36 @@ def _flash_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     num_sms: int,
+    flash_attn_package: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_scaled_dot_product_flash_attention_backward_cuda -> _flash_attention_backward -> mha_bwd."""
+    """_scaled_dot_product_flash_attention_backward_cuda -> _flash_attention_backward -> mha_bwd
+    (or flash-attn's ``FlashAttnFunc.backward`` -> ``_flash_attn_backward`` -> mha_bwd)."""
     batch, heads, seqlen_q, head_dim = q.shape
-    heads_k, seqlen_k = k.shape[1], k.shape[2]
+    heads_k = k.shape[1]
     q_t, k_t, v_t = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    # why: _flash_attention_backward ``grad_out.contiguous()`` / ``out.contiguous()`` (a copy unless
-    # already contiguous in the (B, L, H, D) layout the kernel reads)
-    grad_out_t = grad_out.transpose(1, 2).contiguous()
-    out_t = out.transpose(1, 2).contiguous()
+    grad_out_t, out_t = grad_out.transpose(1, 2), out.transpose(1, 2)
+    if flash_attn_package:
+        # why: flash-attn's ``maybe_contiguous``: a copy only when the last dim is strided
+        grad_out_t, out_t = (
+            t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out_t, out_t)
+        )
+    else:
+        # why: _flash_attention_backward ``grad_out.contiguous()`` / ``out.contiguous()`` (a copy
+        # unless already contiguous in the (B, L, H, D) layout the kernel reads)
+        grad_out_t, out_t = grad_out_t.contiguous(), out_t.contiguous()
     # why: mha_bwd ``dq/dk/dv = at::empty_like(q/k/v)``: the input gradients
     dq_t = torch.empty_like(q_t)
     dk_t = torch.empty_like(k_t)
     dv_t = torch.empty_like(v_t)
-    head_dim_rounded = _round_up(head_dim, 32) if _round_up(head_dim, 32) < 224 else 256
     # why: mha_bwd ``softmax_d = at::empty({b, h, seqlen_q_rounded}, float)``, the sequence
     # rounded up to 128
     softmax_d = _rounded_zeros((batch, heads, seqlen_q), (1, 1, 128), torch.float32, q.device)
     # why: mha_bwd ``dq_accum = at::empty({b, seqlen_q_rounded, h, head_size_rounded}, float)``
-    dq_accum_dims = (batch, seqlen_q, heads, head_dim_rounded)
+    dq_accum_dims = (batch, seqlen_q, heads, flash_head_dim_rounded(head_dim))
     if _deterministic():
-        # deterministic mode: one accumulator per split, ``nsplits = ceil(num_SMs / (b * h))``
-        # (no bilinear dim: shapes in this mode are traced one by one)
-        splits = _ceil_div(num_sms, batch * heads)
+        # deterministic mode: one accumulator per split (no bilinear dim: shapes in this mode
+        # are traced one by one)
+        splits = flash_deterministic_splits(num_sms, batch, heads)
         dq_accum = _rounded_zeros(
             (splits, *dq_accum_dims), (1, 1, 128, 1, 1), torch.float32, q.device
         )
@@ -247,17 +321,7 @@ def _flash_backward(
         dq_accum = _rounded_zeros(dq_accum_dims, (1, 128, 1, 1), torch.float32, q.device)
     dq_t.zero_()
     if heads_k != heads:
-        # why: MQA/GQA: mha_bwd computes dK/dV for every query head, then sums each group
-        dk_expanded = torch.zeros(
-            (batch, seqlen_k, heads, head_dim), dtype=q.dtype, device=q.device
-        )
-        dv_expanded = torch.zeros(
-            (batch, seqlen_k, heads, head_dim), dtype=q.dtype, device=q.device
-        )
-        group = heads // heads_k
-        torch.sum(dk_expanded.view(batch, seqlen_k, heads_k, group, head_dim), dim=3, out=dk_t)
-        torch.sum(dv_expanded.view(batch, seqlen_k, heads_k, group, head_dim), dim=3, out=dv_t)
-        del dk_expanded, dv_expanded
+        sum_grouped_head_grads(dk_t, dv_t, heads)
     else:
         dk_t.zero_()
         dv_t.zero_()

@@ -40,6 +40,10 @@ class StepSpec:
     lora_rank: int = 0
     # which modules get them (see ``lora_target_modules``); empty: the architecture's default
     lora_targets: tuple[str, ...] = ()
+    # the frozen base weights as bitsandbytes holds them ("none", "nf4", "fp4", "int8"; only with
+    # LoRA) and, for 4-bit, whether the block scales are quantized again
+    quantization: str = "none"
+    double_quant: bool = False
     # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
     # estimator traces two and adds the rest exactly; real runs use the true count)
     cached_chunks: int = 2
@@ -48,23 +52,30 @@ class StepSpec:
 class BiEncoder(nn.Module):
     """A sentence-transformers bi-encoder: transformer, then mean pooling over real tokens.
 
-    Mirrors ``sentence_transformers.models.Transformer`` + ``Pooling(pooling_mode="mean")``.
+    Mirrors ``sentence_transformers.models.Transformer`` + ``Pooling(pooling_mode="mean")``
+    (sentence-transformers 6.2 ``Pooling._forward_padded``): the masked sum and the token count
+    accumulate in float32 when the token embeddings are half precision, the mean is cast back to
+    their dtype, and the modes' outputs are concatenated (a copy, even for one mode). Decoder
+    LLMs embed the same way (every real token, not the last one).
     """
 
     def __init__(self, transformer: nn.Module, num_labels: int, with_classifier: bool) -> None:
         super().__init__()
         self.transformer = transformer
         config: Any = transformer.config
-        hidden = int(config.hidden_size)
+        hidden = int(config.get_text_config().hidden_size)
         # SoftmaxLoss trains a classifier on (u, v, |u - v|), as sentence-transformers does
         self.classifier = nn.Linear(3 * hidden, num_labels) if with_classifier else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         token_embeddings = self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0]
+        half = token_embeddings.dtype in (torch.float16, torch.bfloat16)
+        accumulation = torch.float32 if half else token_embeddings.dtype
         mask = attention_mask.unsqueeze(-1).to(token_embeddings.dtype)
-        summed = (token_embeddings * mask).sum(dim=1)
-        counts = mask.sum(dim=1).clamp(min=1e-9)
-        return summed / counts
+        summed = (token_embeddings * mask).sum(dim=1, dtype=accumulation)
+        counts = torch.clamp(mask.sum(dim=1, dtype=accumulation), min=1e-9)
+        mean = (summed / counts).to(token_embeddings.dtype)
+        return torch.cat([mean], dim=-1)
 
 
 def build_model(
@@ -88,6 +99,12 @@ def build_model(
         model = BiEncoder(transformer, spec.num_labels, with_classifier=spec.loss == "softmax")
     else:  # pragma: no cover - validated earlier
         raise ValueError(f"unknown task {spec.task!r}")
+    if spec.quantization != "none":
+        from memfit.estimate import quantized
+
+        # QLoRA: the base weights as bitsandbytes holds them (emulated on the meta device), the
+        # rest upcast to fp32 by peft's prepare_model_for_kbit_training
+        model = quantized.quantize_model(model, spec)
     if spec.gradient_checkpointing:
         target: Any = model.transformer if isinstance(model, BiEncoder) else model
         # non-reentrant checkpointing: what PyTorch recommends and what memfit train uses
@@ -110,6 +127,9 @@ def build_model(
             # peft switches fan_in_fan_out on by itself for GPT-2's Conv1D, and says so
             warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
             model = with_lora(model, spec)
+        if spec.quantization != "none":
+            # peft's bitsandbytes LoRA layers' forward on the emulated quantized layers
+            quantized.adopt_lora_layers(model)
     model.train(spec.mode == "train")
     return model
 
@@ -170,6 +190,10 @@ LORA_TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
         "attention": ("q_proj", "k_proj", "v_proj", "self_attn.dense"),
         "mlp": ("fc1", "fc2"),
     },
+    # Phi-3 fuses query, key and value (qkv_proj) and the gate and up projections (gate_up_proj)
+    "phi3": {"attention": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")},
+    # ModernBERT: fused Wqkv and attn.Wo; its MLP's Wi holds the GLU's input and gate halves
+    "modernbert": {"attention": ("Wqkv", "attn.Wo"), "mlp": ("mlp.Wi", "mlp.Wo")},
 }
 LORA_GROUPS = ("attention", "mlp")
 # peft's own value: every linear layer but the output layer
@@ -322,13 +346,35 @@ def with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
 
 
 def _task_config(config: Any, spec: StepSpec) -> Any:
+    """A copy of ``config`` for the task's model: the attention transformers runs for the spec's
+    (:mod:`memfit.estimate.attention`), a classifier's labels and pad token, no key/value cache."""
+    from memfit.estimate.attention import config_attention
+
     config = config.__class__.from_dict(config.to_dict())
-    config._attn_implementation = spec.attn_implementation
+    config._attn_implementation = config_attention(config, spec)
+    # fp32 weights, as memfit train loads them (mixed precision keeps fp32 master weights): a
+    # published config's dtype (bfloat16 for today's decoders) is the checkpoint's storage, which
+    # transformers 5 would otherwise build the model in
+    for text in {
+        id(config): config,
+        id(config.get_text_config()): config.get_text_config(),
+    }.values():
+        text.dtype = torch.float32
     if spec.task == "classification":
         config.num_labels = spec.num_labels
-        if getattr(config, "pad_token_id", None) is None:
-            # GPT-2 style classifiers need a pad id to find the last token
-            config.pad_token_id = getattr(config, "eos_token_id", 0) or 0
+        text = config.get_text_config()
+        if getattr(text, "pad_token_id", None) is None:
+            # a decoder classifier pools its last real token, found by the pad id; decoder LLMs
+            # ship none, and a user sets the tokenizer's end-of-sequence token (pad = eos)
+            eos = getattr(text, "eos_token_id", None)
+            if isinstance(eos, list):  # several end tokens (Llama 3.1): the tokenizer's is first
+                eos = eos[0] if eos else None
+            text.pad_token_id = eos if eos is not None else 0
+        if getattr(config, "problem_type", None) is None and spec.num_labels > 1:
+            # integer labels of several classes: what BERT-style heads settle on at their first
+            # forward (DeBERTa-v2's head would instead gather the labelled rows with nonzero(),
+            # whose size fake tensors cannot know; the gathered rows are the batch's own)
+            config.problem_type = "single_label_classification"
     if hasattr(config, "use_cache"):
         # training keeps no key/value cache (it would hold every layer's keys and values)
         config.use_cache = False
@@ -434,15 +480,35 @@ def make_optimizer(
         return Adafactor(
             params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
         )
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    # real tensors: bitsandbytes' own optimizers where it is installed (it runs on the CPU too)
+    real = _fake_mode_inactive() and not any(isinstance(p, FakeTensor) or p.is_meta for p in params)
     if name == "adamw-8bit":
-        if device_type == "cuda" and torch.cuda.is_available() and _fake_mode_inactive():
+        if real:
             try:
                 import bitsandbytes as bnb  # type: ignore[import-not-found]
 
-                return bnb.optim.AdamW8bit(params, lr=lr)
+                return bnb.optim.AdamW8bit(params, lr=lr)  # type: ignore[no-any-return]
             except ImportError:
                 pass
         return Int8AdamStateModel(params, lr=lr)
+    if name in ("paged-adamw-8bit", "paged-adamw-32bit"):
+        eight_bit = name == "paged-adamw-8bit"
+        if real:
+            try:
+                import bitsandbytes as bnb
+
+                paged = bnb.optim.PagedAdamW8bit if eight_bit else bnb.optim.PagedAdamW32bit
+                return paged(params, lr=lr)  # type: ignore[no-any-return]
+            except ImportError:
+                pass
+        from memfit.estimate.quantized import PagedAdamStateModel
+
+        # on CUDA the big tensors' state is in unified memory, outside PyTorch's allocator
+        return PagedAdamStateModel(
+            params, bits=8 if eight_bit else 32, paged=device_type == "cuda", lr=lr
+        )
     raise ValueError(f"unknown optimizer {name!r}")
 
 

@@ -6,7 +6,11 @@ gradient_accumulation_steps × world_size`` stays what the arguments say. ``appl
 copy of the arguments with those four set (``dataclasses.replace``, so everything the
 arguments derive from them, such as ``mixed_precision``, is derived again) and says what changed.
 LoRA and truncation live in the model and the tokenizer, not in ``TrainingArguments``: plan them
-with ``memfit plan --allow lora,truncation`` and apply them yourself.
+with ``memfit plan --allow lora,truncation`` and apply them yourself. So do quantized base
+weights (QLoRA): bitsandbytes' ``BitsAndBytesConfig`` is the ``quantization_config`` of
+``from_pretrained``, which no ``TrainingArguments`` field sets; plan them with ``memfit plan
+--allow lora,quantization`` and load the model with it yourself. The paged optimizers are
+``TrainingArguments.optim`` values (``paged_adamw_8bit``, ``paged_adamw_32bit``) and are applied.
 """
 
 from __future__ import annotations
@@ -171,20 +175,28 @@ def apply_plan(
     The budget is ``gpu_memory`` (``"16GiB"``), else the catalog ``gpu``'s memory (``"a10g"``),
     else the free memory of this machine's GPU. ``precision`` pins ``fp32``/``bf16``/``fp16``;
     when the arguments run on the CPU it defaults to ``fp32`` (the plan would otherwise pick the
-    budget GPU's mixed precision). ``allow`` may hold ``"optimizer"`` (8-bit AdamW or Adafactor
-    through ``optim``). Raises :class:`~memfit.errors.UsageError` for bad input (no budget on a
+    budget GPU's mixed precision). ``allow`` may hold ``"optimizer"`` (8-bit AdamW, a paged AdamW
+    or Adafactor through ``optim``); ``"lora"``, ``"truncation"`` and ``"quantization"`` are
+    refused (they are not ``TrainingArguments``). Raises :class:`~memfit.errors.UsageError` for bad input (no budget on a
     machine without a GPU, an unknown model) and :class:`~memfit.errors.NothingFitsError` when
     no configuration fits, with what would help.
     """
     from memfit.plan import plan as make_plan
 
     allowed = [a.strip().lower() for a in allow if a.strip()]
-    elsewhere = [a for a in allowed if a in ("lora", "truncation")]
+    elsewhere = [a for a in allowed if a in ("lora", "truncation", "quantization")]
     if elsewhere:
         raise UsageError(
             f"apply_plan: allow: {', '.join(elsewhere)} change the model or the tokenizer, not "
-            "TrainingArguments; plan them with `memfit plan --allow lora,truncation` and apply "
-            "them yourself, or leave them out"
+            "TrainingArguments"
+            + (
+                " (quantized weights are from_pretrained's quantization_config="
+                "BitsAndBytesConfig(...), which no TrainingArguments field sets)"
+                if "quantization" in elsewhere
+                else ""
+            )
+            + f"; plan them with `memfit plan --allow {','.join(elsewhere)}` and apply them "
+            "yourself, or leave them out"
         )
     optim = str(getattr(args.optim, "value", args.optim))
     base_optimizer = _OPTIMIZERS.get(optim, "adamw")

@@ -7,6 +7,7 @@ touches the network: no download, no ``trust_remote_code``.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
@@ -39,6 +40,34 @@ _REGISTRY: dict[str, tuple[str, ...]] = {
     "sentence-transformers/all-MiniLM-L6-v2": ("all-MiniLM-L6-v2",),
     "sentence-transformers/all-mpnet-base-v2": ("all-mpnet-base-v2",),
     "sentence-transformers/paraphrase-MiniLM-L6-v2": ("paraphrase-MiniLM-L6-v2",),
+    "sentence-transformers/all-MiniLM-L12-v2": ("all-MiniLM-L12-v2",),
+    "sentence-transformers/paraphrase-multilingual-MiniLM-L12-v2": (
+        "paraphrase-multilingual-MiniLM-L12-v2",
+    ),
+    "meta-llama/Llama-3.2-1B": ("Llama-3.2-1B",),
+    "meta-llama/Llama-3.2-3B": ("Llama-3.2-3B",),
+    # the Hub repo was meta-llama/Meta-Llama-3.1-8B until its rename
+    "meta-llama/Llama-3.1-8B": ("Llama-3.1-8B", "meta-llama/Meta-Llama-3.1-8B"),
+    "Qwen/Qwen2.5-0.5B": ("Qwen2.5-0.5B",),
+    "Qwen/Qwen2.5-1.5B": ("Qwen2.5-1.5B",),
+    "Qwen/Qwen2.5-7B": ("Qwen2.5-7B",),
+    "mistralai/Mistral-7B-v0.3": ("Mistral-7B-v0.3",),
+    "google/gemma-2-2b": ("gemma-2-2b",),
+    "microsoft/Phi-3.5-mini-instruct": ("Phi-3.5-mini-instruct",),
+    "HuggingFaceTB/SmolLM2-135M": ("SmolLM2-135M",),
+    "HuggingFaceTB/SmolLM2-1.7B": ("SmolLM2-1.7B",),
+    "answerdotai/ModernBERT-base": ("ModernBERT-base",),
+    "answerdotai/ModernBERT-large": ("ModernBERT-large",),
+    "microsoft/deberta-v3-base": ("deberta-v3-base",),
+    "BAAI/bge-small-en-v1.5": ("bge-small-en-v1.5",),
+    "BAAI/bge-base-en-v1.5": ("bge-base-en-v1.5",),
+    "intfloat/e5-base-v2": ("e5-base-v2",),
+}
+# Entries whose checkpoint holds another class than their config's ``architectures`` names:
+# sentence-transformers saves the bare transformer but keeps the config of the model it was
+# fine-tuned from (all-mpnet-base-v2's says MPNetForMaskedLM; its weights have no LM head).
+_CHECKPOINT_CLASS: dict[str, str] = {
+    "sentence-transformers/all-mpnet-base-v2": "MPNetModel",
 }
 # every accepted name, lower-cased -> canonical name
 _LOOKUP: dict[str, str] = {
@@ -108,6 +137,71 @@ def resolve_model(model: str) -> ModelSpec:
     if cached is not None:
         return _spec(model.strip(), _load_config(cached), "hf-cache", cached.parent)
     raise UsageError(_unknown_message(model, local.is_dir()))
+
+
+def parameter_count(model: ModelSpec | PretrainedConfig) -> int:
+    """How many parameters the checkpoint of ``model`` holds, counted from its config alone.
+
+    Builds the class the checkpoint was saved from on the meta device (shapes only: no memory,
+    no weight initialisation) and counts each parameter once, a tied weight (an output head
+    sharing the input embeddings) included once, as the checkpoint stores it. The class is the
+    config's ``architectures[0]`` when transformers has it, else the bare model of its
+    ``model_type``; a sentence-transformers model is always the bare model, which is what that
+    library saves.
+    """
+    import torch
+    import transformers
+
+    spec = model if isinstance(model, ModelSpec) else None
+    # building may record choices in the config (the attention implementation): count on a copy
+    config = copy.deepcopy(model.config if isinstance(model, ModelSpec) else model)
+    model_class = _checkpoint_class(config, spec)
+    # skipping the initialisers (no-ops on meta tensors, yet most of the time spent building)
+    # also skips the tying of weights, done below
+    with torch.device("meta"), _no_init_weights():
+        if model_class is None:
+            module = transformers.AutoModel.from_config(config)
+        else:
+            module = model_class(config)
+    module.tie_weights()
+    # parameters() yields a parameter shared by two modules once
+    return sum(p.numel() for p in module.parameters())
+
+
+def _no_init_weights() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
+    return no_init_weights()
+
+
+def _checkpoint_class(config: PretrainedConfig, spec: ModelSpec | None) -> Any:
+    """The transformers class a checkpoint was saved from; None for the bare AutoModel."""
+    import transformers
+
+    if spec is not None and spec.source == "registry" and spec.name in _CHECKPOINT_CLASS:
+        name: str | None = _CHECKPOINT_CLASS[spec.name]
+    elif spec is not None and _in_sentence_transformers_folder(spec):
+        return None
+    else:
+        name = (getattr(config, "architectures", None) or [None])[0]
+    if not name:
+        return None
+    try:
+        found = getattr(transformers, name)
+    except (AttributeError, ImportError):  # a class of remote code, or of a newer transformers
+        return None
+    is_model = isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)
+    return found if is_model else None
+
+
+def _in_sentence_transformers_folder(spec: ModelSpec) -> bool:
+    """The config is a sentence-transformers folder's, or its Transformer module subfolder's."""
+    if spec.path is None:
+        return False
+    folder = Path(spec.path)
+    return (folder / "modules.json").is_file() or (folder.parent / "modules.json").is_file()
 
 
 def _spec(name: str, config: PretrainedConfig, source: str, path: Path | None) -> ModelSpec:
@@ -196,4 +290,11 @@ def _unknown_message(model: str, is_dir: bool) -> str:
     )
 
 
-__all__ = ["NO_POSITION_LIMIT", "ModelSpec", "registry_names", "resolve_model", "usable_positions"]
+__all__ = [
+    "NO_POSITION_LIMIT",
+    "ModelSpec",
+    "parameter_count",
+    "registry_names",
+    "resolve_model",
+    "usable_positions",
+]

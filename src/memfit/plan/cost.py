@@ -11,6 +11,30 @@ Time per micro-batch = FLOPs / (peak rate × efficiency) + a fixed launch cost p
 the efficiency rises with the tokens in the micro-batch and saturates:
 ``efficiency = E_MAX · t / (t + T_HALF)`` (half of ``E_MAX`` at ``T_HALF`` tokens). Each optimizer
 step also streams the optimizer's bytes per trainable parameter through memory once.
+
+Two knobs cost time that no FLOP count shows:
+
+* **4-bit base weights** (bitsandbytes ``Linear4bit``, QLoRA): every forward dequantizes each
+  quantized weight into a compute-dtype copy for the matmul, and the backward does it again for
+  the input's gradient (a recomputed forward, a third time). A dequantization is memory-bound and
+  does not depend on the tokens, so it is charged per pass over the weights:
+  ``quantized parameters × DEQUANT_BYTES_PER_PARAMETER / memory bandwidth``. The figure is fitted
+  to LitGPT's resource tables (``tutorials/resource-tables.md``, LoRA on one A100-SXM4-40GB,
+  1555 GB/s, bitsandbytes 0.41.1, micro-batch 1, 1k iterations): without quantization vs
+  ``bnb.nf4`` / ``bnb.nf4-dq`` took phi-1.5 1.62 / 1.77 / 1.87 min, StableLM-3B 1.24 / 1.82 /
+  1.87, Llama-2-7B 2.36 / 3.68 / 3.83, Llama-2-13B 3.19 / 6.38 / 6.55. The extra time over two
+  dequantizations per iteration of the 1.2, 3.2, 6.5 and 12.7 billion matmul weights is 3.7–7.5
+  ps per weight for nf4 (9 bytes at 1555 GB/s, averaged) and 5.9–7.9 ps with double
+  quantization (10.5 bytes): so 9 bytes, plus 1.5 for double quantization. A raw dequantization
+  moves about 2.5 bytes (0.5 read, 2 written); the kernels reach a quarter of the bandwidth. The
+  spread over the four models is about ±25 %. LLM.int8() (``int8``) is charged the same figure,
+  unmeasured: memfit never chooses int8 itself, only a user's ``--quantization int8`` uses it.
+* **Paged optimizers** (bitsandbytes' paged AdamW): their state lives in CUDA unified memory,
+  outside PyTorch's allocator, and the driver evicts it to host memory when the GPU runs short.
+  Resident, an update streams what its unpaged twin does; a plan only needs a paged optimizer
+  where its twin does not fit, so the state is assumed to be evicted during forward and backward
+  and paged back for the update: ``2 × state bytes`` over the host link per optimizer step, at
+  :func:`host_link_bytes_per_second` (a worst case: what stays resident moves nothing).
 """
 
 from __future__ import annotations
@@ -24,9 +48,25 @@ from memfit.job import OPTIMIZER_TABLE
 E_MAX = 0.6  # the share of peak FLOP/s large transformer matmuls reach
 T_HALF = 1024  # tokens per micro-batch at which half of E_MAX is reached
 LAUNCH_SECONDS_PER_LAYER = 0.25e-3  # kernel launches and Python per layer, forward + backward
+# the paged optimizers: the unpaged twin whose update they run once resident, and the bytes of
+# state per trainable parameter that page (two 8-bit moments, or two fp32 moments)
+PAGED_OPTIMIZERS: dict[str, tuple[str, int]] = {
+    "paged-adamw-8bit": ("adamw-8bit", 2),
+    "paged-adamw-32bit": ("adamw", 8),
+}
 # bytes read and written per trainable parameter by one optimizer step (fp32 master weights):
-# AdamW reads weight, gradient, two moments and writes weight and moments
+# AdamW reads weight, gradient, two moments and writes weight and moments. A paged optimizer's
+# update moves what its twin's does (the table's figure for it counts only what stays on the GPU)
 OPTIMIZER_BYTES_PER_PARAMETER = {o.name: o.bytes_per_parameter for o in OPTIMIZER_TABLE.values()}
+OPTIMIZER_BYTES_PER_PARAMETER |= {
+    name: OPTIMIZER_BYTES_PER_PARAMETER[twin] for name, (twin, _state) in PAGED_OPTIMIZERS.items()
+}
+# memory traffic, at the GPU's full bandwidth, that one dequantization of a 4-bit weight costs per
+# parameter; double quantization adds the second-level scales' (fitted: see the module docstring)
+DEQUANT_BYTES_PER_PARAMETER = 9.0
+DOUBLE_QUANT_BYTES_PER_PARAMETER = 1.5
+# practical host-to-GPU copy rates of a x16 link: PCIe 3.0 (before Ampere), 4.0, 5.0 (Hopper)
+HOST_LINK_BYTES_PER_SECOND = {(0, 0): 12e9, (8, 0): 24e9, (9, 0): 48e9}
 
 
 @dataclass(frozen=True)
@@ -37,18 +77,94 @@ class ModelShape:
     trainable_parameters: int
     layers: int
     hidden: int
+    # the matmul weights bitsandbytes would quantize: all but those the quantizer keeps (see
+    # memfit.estimate.quantized.modules_to_not_convert: output embeddings, tied weights, ...)
+    quantizable_parameters: int = 0
+    # trainable parameters under LoRA of rank r: ``lora_fixed + r × lora_per_rank`` (adapters,
+    # plus what trains beside them, such as a classification head)
+    lora_fixed: int = 0
+    lora_per_rank: int = 0
+
+    def trainable(self, lora_rank: int | None) -> int:
+        """Parameters the optimizer updates: all, or under LoRA the adapters' (and the head's)."""
+        if not lora_rank or not self.lora_per_rank:
+            return self.trainable_parameters
+        return self.lora_fixed + lora_rank * self.lora_per_rank
 
 
-def model_shape(config: Any, spec: Any) -> ModelShape:
-    """Count a model's matmul weights on the meta device (no memory, well under a second)."""
+def is_paged(optimizer: str) -> bool:
+    """A paged optimizer: state in CUDA unified memory, evicted to the host under pressure."""
+    return optimizer in PAGED_OPTIMIZERS
+
+
+def host_link_bytes_per_second(gpu: Gpu) -> float:
+    """The host link's practical copy rate for ``gpu``'s generation (by compute capability)."""
+    return max(v for k, v in HOST_LINK_BYTES_PER_SECOND.items() if gpu.compute_capability >= k)
+
+
+def dequantization_seconds(
+    shape: ModelShape, gpu: Gpu, quantization: str, double_quant: bool
+) -> float:
+    """Seconds one pass over the weights spends dequantizing them (0 without quantization)."""
+    if quantization == "none":
+        return 0.0
+    per_parameter = DEQUANT_BYTES_PER_PARAMETER + (
+        DOUBLE_QUANT_BYTES_PER_PARAMETER if double_quant else 0.0
+    )
+    return shape.quantizable_parameters * per_parameter / (gpu.memory_bandwidth_gbps * 1e9)
+
+
+def optimizer_seconds(
+    shape: ModelShape, gpu: Gpu, optimizer: str, lora_rank: int | None = None
+) -> float:
+    """Seconds one optimizer step takes (on the LoRA adapters of ``lora_rank``, if given): its
+    memory traffic, plus, for a paged optimizer, its state paged in and out over the host link."""
+    trainable = shape.trainable(lora_rank)
+    seconds = (
+        trainable
+        * OPTIMIZER_BYTES_PER_PARAMETER.get(optimizer, 28)
+        / (gpu.memory_bandwidth_gbps * 1e9)
+    )
+    if is_paged(optimizer):
+        state = trainable * PAGED_OPTIMIZERS[optimizer][1]
+        seconds += 2 * state / host_link_bytes_per_second(gpu)
+    return seconds
+
+
+def model_shape(config: Any, spec: Any, *, lora: bool = False) -> ModelShape:
+    """Count a model's matmul weights on the meta device (no memory, well under a second); with
+    ``lora``, build it once more with rank-1 adapters (peft, a second or two) to count them."""
+    import dataclasses
+
     import torch
     from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from memfit.estimate import workload
+    from memfit.estimate import quantized, workload
 
     with torch.device("meta"):
         model = workload.build_model(config, spec)
-    matmul = 0
+        adapted = (
+            workload.build_model(config, dataclasses.replace(spec, lora_rank=1)) if lora else None
+        )
+    lora_fixed = per_rank = 0
+    if adapted is not None:
+        # peft's adapters are ``lora_A``/``lora_B`` (linear in the rank); the rest that trains
+        # beside them (a classification head) does not depend on it
+        for name, parameter in adapted.named_parameters():
+            if parameter.requires_grad:
+                if "lora_" in name:
+                    per_rank += parameter.numel()
+                else:
+                    lora_fixed += parameter.numel()
+    matmul = quantizable = 0
+    # the transformers model (a sentence-transformers bi-encoder wraps it): the quantizer's
+    # names are its own
+    inner = model.transformer if isinstance(model, workload.BiEncoder) else model
+    kept = quantized.modules_to_not_convert(inner, spec.task)
+    for name, module in inner.named_modules():
+        if isinstance(module, torch.nn.Linear | Conv1D) and should_convert_module(name, kept):
+            quantizable += module.weight.numel()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear | Conv1D):
             matmul += module.weight.numel()
@@ -57,7 +173,7 @@ def model_shape(config: Any, spec: Any) -> ModelShape:
         getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
     )
     hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 1)
-    return ModelShape(matmul, trainable, layers, hidden)
+    return ModelShape(matmul, trainable, layers, hidden, quantizable, lora_fixed, per_rank)
 
 
 def flops_per_sample(
@@ -97,8 +213,15 @@ def samples_per_second(
     world_size: int = 1,
     columns: int = 1,
     mini_batch_size: int | None = None,
+    quantization: str = "none",
+    double_quant: bool = False,
+    lora_rank: int | None = None,
 ) -> float:
-    """Predicted training samples per second over all ranks (communication not counted)."""
+    """Predicted training samples per second over all ranks (communication not counted).
+
+    ``lora_rank``: the optimizer steps only the adapters of that rank (with ``lora``; None: it
+    is charged for every parameter). ``quantization``/``double_quant``: the base weights' 4-bit
+    (or int8) form, dequantized on every pass."""
     per_sample = flops_per_sample(
         shape,
         seq_len,
@@ -114,10 +237,11 @@ def samples_per_second(
     rate = gpu.flops_per_second(precision) * efficiency(rows_at_once * seq_len * columns)
     micro_seconds = micro_batch_size * per_sample / rate
     micro_seconds += chunks * columns * passes / 3 * shape.layers * LAUNCH_SECONDS_PER_LAYER
-    optimizer_seconds = (
-        shape.trainable_parameters
-        * OPTIMIZER_BYTES_PER_PARAMETER.get(optimizer, 28)
-        / (gpu.memory_bandwidth_gbps * 1e9)
+    # each pass (forward, backward, recomputed or cached forward) dequantizes every 4-bit weight
+    micro_seconds += (
+        chunks * columns * passes * dequantization_seconds(shape, gpu, quantization, double_quant)
     )
-    step_seconds = accumulation_steps * micro_seconds + optimizer_seconds
+    step_seconds = accumulation_steps * micro_seconds + optimizer_seconds(
+        shape, gpu, optimizer, lora_rank if lora else None
+    )
     return world_size * micro_batch_size * accumulation_steps / step_seconds

@@ -7,6 +7,12 @@ it: every problem at once, each naming the file and line. It tokenizes one or mo
 in batches with a local tokenizer (special tokens included, nothing truncated; a sentence pair
 counts its longest text) and keeps only each sample's length.
 
+Instruction rows are measured as ``memfit train --task causal-lm`` renders them
+(:mod:`memfit.data.instructions`): with ``prompt_column``/``completion_column`` a row's length is
+prompt + completion + EOS, with ``messages_column`` the chat rendered with the tokenizer's chat
+template; nothing truncated (the profile reports what ``--max-seq-len`` would cut). A row that
+cannot be rendered is refused at its line, as ``memfit train`` refuses it.
+
 ``memfit data profile FILE`` prints :meth:`DataProfile.to_dict`; ``memfit plan --train-file``
 takes its sequence length and truncation choices from the same profile.
 """
@@ -49,6 +55,9 @@ class DataProfile:
     # where the lengths came from, for the report (empty when built from bare lengths)
     text_columns: tuple[str, ...] = ()
     tokenizer: str = ""
+    # how a row's columns make its sequence: "longest" (the longest text column),
+    # "prompt + completion + eos", "chat template"
+    rendering: str = "longest"
 
     def __post_init__(self) -> None:
         lengths = np.asarray(self.lengths, dtype=np.int64).reshape(-1)
@@ -108,6 +117,7 @@ class DataProfile:
         return {
             "source": self.source,
             "text_columns": list(self.text_columns),
+            "rendering": self.rendering,
             "tokenizer": self.tokenizer,
             "rows": self.rows,
             "tokens": {
@@ -132,9 +142,12 @@ class DataProfile:
         d = self.to_dict(max_seq_len)
         t = d["tokens"]
         columns = ", ".join(d["text_columns"]) or "-"
+        how = {"longest": "a row counts its longest column"}.get(
+            self.rendering, f"a row is its {self.rendering}"
+        )
         lines = [
             f"source        {d['source'] or '-'}",
-            f"text columns  {columns}  (a row counts its longest column)",
+            f"text columns  {columns}  ({how})",
             f"tokenizer     {d['tokenizer'] or '-'}",
             f"rows          {d['rows']:,}",
             f"tokens        p50 {t['p50']}  p90 {t['p90']}  p99 {t['p99']}  max {t['max']}  "
@@ -160,15 +173,34 @@ class DataProfile:
         tokenizer: Any,
         *,
         flag: str = "--train-file",
+        prompt_column: str | None = None,
+        completion_column: str | None = None,
+        messages_column: str | None = None,
     ) -> DataProfile:
         """Profile ``path``: ``tokenizer`` is a local tokenizer folder (or a loaded tokenizer);
-        ``flag`` names the input in error messages (``--train-file``, ``FILE``)."""
+        ``flag`` names the input in error messages (``--train-file``, ``FILE``). With
+        ``prompt_column``/``completion_column`` or ``messages_column`` the rows are instruction
+        rows, measured as rendered (``text_columns`` is then not read)."""
+        from memfit.data.instructions import InstructionColumns
+
+        instruction = InstructionColumns(prompt_column, completion_column, messages_column)
+        name = str(tokenizer) if isinstance(tokenizer, (str, Path)) else ""
+        tok = tokenizer if not isinstance(tokenizer, (str, Path)) else load_tokenizer(tokenizer)
+        name = name or _tokenizer_name(tok)
+        if instruction.kind != "text":
+            lengths = _instruction_lengths(path, instruction, tok, flag, name)
+            rendering = "chat template" if instruction.messages else "prompt + completion + eos"
+            return cls(
+                lengths,
+                source=str(path),
+                text_columns=tuple(instruction.names),
+                tokenizer=name,
+                rendering=rendering,
+            )
         columns = [c.strip() for c in text_columns if c.strip()]
         if not columns:
             raise UsageError("--text-column: give at least one column name")
-        tok = tokenizer if not isinstance(tokenizer, (str, Path)) else load_tokenizer(tokenizer)
         lengths = np.concatenate(list(_lengths(_read(path, columns, flag), columns, tok)))
-        name = str(tokenizer) if isinstance(tokenizer, (str, Path)) else _tokenizer_name(tok)
         return cls(lengths, source=str(path), text_columns=tuple(columns), tokenizer=name)
 
 
@@ -177,9 +209,12 @@ def _check_max_seq_len(max_seq_len: int | None) -> None:
         raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
 
 
-def _read(path: str | Path, columns: list[str], flag: str) -> Any:
-    """The checked rows as a ``datasets.Dataset`` of the text columns."""
-    from memfit.data.rows import Column, read_rows
+def _read(
+    path: str | Path, columns: list[str], flag: str, kind: str = "text", *, where: bool = False
+) -> Any:
+    """The checked rows as a ``datasets.Dataset`` of the columns (and, with ``where``, of
+    where each row is: ``WHERE``)."""
+    from memfit.data.rows import WHERE, Column, read_rows
 
     folder = Path(path)
     # a DatasetDict: profile its training split, whatever flag names the input (read_rows
@@ -191,8 +226,51 @@ def _read(path: str | Path, columns: list[str], flag: str) -> Any:
                 folder = folder / "train"
         except (OSError, ValueError, AttributeError):
             pass  # read_rows reports the unreadable index
-    table = read_rows(folder, [Column(c) for c in columns], flag=flag)
-    return table.dataset.select_columns(columns)
+    table = read_rows(folder, [Column(c, kind) for c in columns], flag=flag)
+    return table.dataset.select_columns([*columns, WHERE] if where else columns)
+
+
+def _instruction_lengths(
+    path: str | Path, instruction: Any, tok: Any, flag: str, name: str
+) -> np.ndarray:
+    """Each instruction row's rendered length, untruncated; a row that cannot be rendered is
+    refused at its line (every such row at once)."""
+    from memfit.data.instructions import (
+        chat_template_problem,
+        has_generation_markers,
+        messages_of,
+        tokenize_chat,
+        tokenize_prompt_completion,
+    )
+    from memfit.data.rows import WHERE, DataError, problem_at
+
+    if instruction.messages:
+        # no chat template: a whole-run error, before any row is read
+        problem = chat_template_problem(tok, name)
+        if problem is not None:
+            raise UsageError(problem)
+    kind = "messages" if instruction.messages else "text"
+    dataset = _read(path, instruction.names, flag, kind, where=True)
+    markers = has_generation_markers(tok) if instruction.messages else False
+    lengths: list[int] = []
+    problems = []
+    for batch in dataset.iter(batch_size=TOKENIZE_BATCH):
+        if instruction.messages:
+            rows = [
+                tokenize_chat(tok, messages_of(value), None, markers=markers)
+                for value in batch[instruction.messages]
+            ]
+        else:
+            rows = tokenize_prompt_completion(
+                tok, batch[instruction.prompt], batch[instruction.completion]
+            )
+        for row, where in zip(rows, batch[WHERE], strict=True):
+            if row.problem is not None:
+                problems.append(problem_at(where, row.problem))
+            lengths.append(len(row.ids))
+    if problems:
+        raise DataError(problems)
+    return np.asarray(lengths, dtype=np.int64)
 
 
 def _lengths(dataset: Any, columns: list[str], tok: Any) -> Iterator[np.ndarray]:

@@ -12,8 +12,19 @@ from collections.abc import Sequence
 
 from memfit.devices.catalog import catalog
 from memfit.estimate.sharding import SCHEME_ORDER
+from memfit.plan import cost
 from memfit.plan.data_profile import DataProfile
-from memfit.plan.planner import LORA_RANK, Candidate, Levers, Plan, Search, Space, _divisors
+from memfit.plan.planner import (
+    LEVERS,
+    LORA_RANK,
+    QLORA,
+    Candidate,
+    Levers,
+    Plan,
+    Search,
+    Space,
+    _divisors,
+)
 from memfit.units import format_bytes
 
 SCHEME_WORDS = {
@@ -32,6 +43,13 @@ def _gib(n: float) -> str:
     return format_bytes(int(n))
 
 
+def _rate(samples_per_second: float) -> str:
+    """A throughput: one decimal, or two significant digits below one sample per second."""
+    if samples_per_second >= 1:
+        return f"{samples_per_second:.1f}"
+    return f"{samples_per_second:.2g}"
+
+
 def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]:
     """Why the chosen configuration, lever by lever, with the re-check command; or how far the
     least configuration is over the budget."""
@@ -47,14 +65,21 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     lines += _parallel_lines(job, c)
     lines += _precision_lines(job, result, c)
     lines += _harmful_lever_lines(job, k, profile)
+    lines += _quantization_lines(job, result, c)
     lines.append(
-        f"Predicted throughput {c.predicted_samples_per_second:.1f} samples/s "
-        f"(cost model: 6·params·tokens FLOPs plus recompute, on the {job.gpu.name}'s "
+        f"Predicted throughput {_rate(c.predicted_samples_per_second)} samples/s "
+        f"(cost model: 6·params·tokens FLOPs plus recompute"
+        + (", plus dequantizing the base weights on every pass" if k.quantization != "none" else "")
+        + (", plus paging the optimizer state" if cost.is_paged(k.optimizer) else "")
+        + f", on the {job.gpu.name}'s "
         f"{job.gpu.flops_per_second(k.precision) / 1e12:.0f} TFLOP/s {k.precision} peak)."
     )
     command = result.estimate_command()
     if command:
         lines.append(f"Re-check: {command}")
+    train = result.train_command()
+    if train:
+        lines.append(f"Train: {train}")
     return lines
 
 
@@ -130,6 +155,18 @@ def _precision_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
     micro = c.mini_batch_size or c.micro_batch_size
     lines: list[str] = []
     base = job.speed(k, micro)
+    mixed = job.gpu.mixed_precision()
+    if k.precision == "fp32" and result.pinned_precision is None:
+        # the plan tries the GPU's mixed precision first: say why it is not the one
+        need = job.peak(dataclasses.replace(k, precision=mixed), micro)
+        if need > job.usable:
+            faster = job.speed(dataclasses.replace(k, precision=mixed), micro) / base
+            lines.append(
+                f"fp32, not {mixed} mixed precision: {mixed} would need {_gib(need)} at this "
+                f"{'mini' if c.mini_batch_size else 'micro'}-batch, over the budget (autocast "
+                f"keeps {mixed} copies beside fp32 tensors); it would be about {faster:.1f}× "
+                "faster."
+            )
     if k.precision != "fp32":
         fp32 = job.speed(dataclasses.replace(k, precision="fp32"), micro)
         lines.append(
@@ -167,7 +204,9 @@ def _precision_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
 def _harmful_lever_lines(job: Search, k: Levers, profile: DataProfile | None) -> list[str]:
     """The allowed levers the plan used, and what each changes in what is learned."""
     lines: list[str] = []
-    if k.optimizer != job.base_optimizer:
+    if k.paged_swap(job.base_optimizer):
+        lines.append(_paged_line(job, k))
+    elif k.optimizer != job.base_optimizer:
         lines.append(
             f"Optimizer {k.optimizer} instead of {job.base_optimizer} (allowed): its state is smaller; "
             "updates differ slightly from full-precision AdamW."
@@ -187,9 +226,72 @@ def _harmful_lever_lines(job: Search, k: Levers, profile: DataProfile | None) ->
             )
     if k.lora_rank:
         lines.append(
-            f"LoRA rank {k.lora_rank} (allowed): only the adapters"
+            f"LoRA rank {k.lora_rank} ({'as given' if k.lora_rank == job.base_rank else 'allowed'}):"
+            " only the adapters"
             + (" and the head" if job.task == "classification" else "")
             + " train; the base model stays frozen."
+        )
+    return lines
+
+
+def _paged_line(job: Search, k: Levers) -> str:
+    """What a paged optimizer saves and what its paging may cost per optimizer step."""
+    twin, state_bytes = cost.PAGED_OPTIMIZERS[k.optimizer]
+    state = job.shape.trainable(k.lora_rank) * state_bytes
+    paging = cost.optimizer_seconds(job.shape, job.gpu, k.optimizer, k.lora_rank)
+    paging -= cost.optimizer_seconds(job.shape, job.gpu, twin, k.lora_rank)
+    return (
+        f"Optimizer {k.optimizer} instead of {job.base_optimizer} (allowed): bitsandbytes keeps "
+        f"its state ({_gib(state)}) in CUDA unified memory, outside PyTorch's allocator; the "
+        "driver evicts it to host memory while forward and backward need the GPU and pages it "
+        "back for the update. Chosen only because no configuration of this tier fits without a "
+        f"paged optimizer: paging costs up to {paging:.2f} s per optimizer step over the host link "
+        f"(counted in the throughput; nothing when the state stays resident). Updates are "
+        + ("8-bit AdamW's" if twin != "adamw" else "AdamW's")
+        + "."
+    )
+
+
+def _quantization_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
+    """Quantized base weights (QLoRA): what they save, what they cost per step, what QLoRA
+    found about quality, and why the plan needed them."""
+    k = c.knobs
+    if k.quantization == "none":
+        return []
+    micro = c.mini_batch_size or c.micro_batch_size
+    plain = dataclasses.replace(k, quantization="none", double_quant=False)
+    how = "as given" if k.quantization == job.base_quantization else "allowed"
+    name = k.quantization + (" with double quantization" if k.double_quant else "")
+    slower = job.speed(plain, micro) / job.speed(k, micro) - 1
+    step = job.per_rank * job.world_size / job.speed(k, micro)
+    per_pass = cost.dequantization_seconds(job.shape, job.gpu, k.quantization, k.double_quant)
+    lines = [
+        f"Quantized base weights, {name} ({how}; QLoRA): bitsandbytes holds the "
+        f"{job.shape.quantizable_parameters / 1e9:.2f} B frozen matmul weights in "
+        + ("4" if k.quantization != "int8" else "8")
+        + f" bits, the LoRA adapters train on top: {_gib(c.predicted_peak_bytes)} at micro-batch "
+        f"{micro}, where unquantized weights would need {_gib(job.peak(plain, micro))}.",
+        f"Time: every forward and backward (and recomputed forward) dequantizes those weights, "
+        f"{per_pass * 1e3:.0f} ms per pass on the {job.gpu.name}: about {slower:.0%} more time "
+        f"per step ({step:.1f} s per optimizer step; cost model: "
+        f"{cost.DEQUANT_BYTES_PER_PARAMETER:g}"
+        + (f" + {cost.DOUBLE_QUANT_BYTES_PER_PARAMETER:g}" if k.double_quant else "")
+        + " bytes per weight per pass at the GPU's memory bandwidth, fitted to LitGPT's LoRA "
+        "vs bnb.nf4-dq timings on an A100).",
+        "Quality: the QLoRA paper (Dettmers et al. 2023, arXiv:2305.14314) found LoRA on NF4 "
+        "weights with double quantization matches 16-bit LoRA and 16-bit full fine-tuning on "
+        "GLUE, Super-NaturalInstructions and MMLU; a small risk remains for other models and "
+        "tasks (compare on your eval set). Needs bitsandbytes (pip install 'memfit[quantization]')"
+        " and a CUDA GPU; embeddings and the output head stay unquantized.",
+    ]
+    if how == "allowed":
+        unquantized = [
+            peak for f, peak in job.least.items() if f.quantization == job.base_quantization
+        ]
+        lines.append(
+            "Quantization is the last lever tried: nothing allowed fits without it (the least "
+            f"configuration on unquantized weights needs {_gib(min(unquantized))} of "
+            f"{_gib(job.usable)})."
         )
     return lines
 
@@ -222,11 +324,21 @@ def suggest(job: Search, result: Plan, space: Space) -> list[str]:
             "negatives unless embeddings are gathered across GPUs."
         )
 
-    def least(optimizer_names: Sequence[str], length: int, rank: int) -> str:
-        # at the precision that needed least without the lever (one trace per lever, not two)
+    weights = (job.base_quantization, bool(result.double_quant))
+
+    def least(
+        optimizer_names: Sequence[str],
+        length: int,
+        rank: int,
+        quantized: tuple[str, bool] = weights,
+        precisions: Sequence[str] = (job.frugal_precision,),
+    ) -> str:
+        # at the precision that needed least without the lever (one trace per lever, not two),
+        # unless told to try each
         need = min(
-            job.peak(Levers(job.frugal_precision, True, o, length, rank), 1)
+            job.peak(Levers(p, True, o, length, rank, *quantized), 1)
             for o in optimizer_names
+            for p in precisions
         )
         verdict = "fits" if need <= job.usable else "still over"
         return f"{format_bytes(need)} ({verdict})"
@@ -237,7 +349,7 @@ def suggest(job: Search, result: Plan, space: Space) -> list[str]:
             + least(["adafactor"], min(lengths), max(ranks))
             + "."
         )
-    if "lora" not in allowed:
+    if "lora" not in allowed and not job.base_rank:
         out.append(
             f"--allow lora (rank {LORA_RANK} adapters, base frozen): the least configuration "
             "would need " + least(optimizers, min(lengths), LORA_RANK) + "."
@@ -249,6 +361,17 @@ def suggest(job: Search, result: Plan, space: Space) -> list[str]:
                 f"--allow truncation (e.g. to {short} tokens): the least configuration would "
                 "need " + least(optimizers, short, max(ranks)) + "."
             )
+    if "quantization" not in allowed and job.base_quantization == "none":
+        # quantization needs LoRA: the suggestion allows both (a LoRA rank of the job's own stays)
+        levers = set(allowed) | {"quantization"} | (set() if job.base_rank else {"lora"})
+        flag = ",".join(sorted(levers, key=LEVERS.index))
+        rank = job.base_rank or LORA_RANK
+        out.append(
+            f"--allow {flag} (QLoRA: rank {rank} adapters on {QLORA[0]} base weights with double "
+            "quantization; each pass dequantizes them, slower steps): the least configuration "
+            "would need " + least(optimizers, min(lengths), rank, QLORA, space.precisions) + "."
+            # each precision: mixed precision's copies can outweigh 4-bit weights' saving
+        )
     return out
 
 

@@ -6,8 +6,21 @@ Levers, least harmful first:
    in-batch-negative losses the gradient-cached loss instead, which is exact too);
 2. mixed precision (bf16 where the GPU has it, else fp16 with loss scaling), unless pinned;
 3. gradient checkpointing;
-4. only when allowed: an 8-bit AdamW or Adafactor optimizer, truncation, LoRA (in that order of
-   harm: a configuration's *tier* is the most harmful lever it uses).
+4. only when allowed: an 8-bit AdamW or Adafactor optimizer, truncation, LoRA, quantized base
+   weights under LoRA (QLoRA's recipe: NF4 with double quantization), in that order of harm: a
+   configuration's *tier* is the most harmful lever it uses (:data:`TIERS`). Quantization needs
+   LoRA (only adapters train on a quantized base): ``--allow quantization`` comes with
+   ``--allow lora`` or a ``--lora-rank``.
+
+A paged optimizer (bitsandbytes' paged AdamW, 8- or 32-bit: its state in CUDA unified memory,
+outside PyTorch's allocator, evicted to host memory when the GPU runs short) is an ``optimizer``
+swap too, but it is taken only when no configuration of the same tier without one fits: it saves
+GPU memory by paging over the host link, which is slow (:mod:`memfit.plan.cost` charges it), so a
+plain 8-bit AdamW or Adafactor that fits always wins. Each tier's configurations are searched in
+two rounds, those without a paged swap first.
+
+Knobs the job pins (``precision``, ``lora_rank``, ``quantization`` with ``double_quant``) are kept
+as given: a pinned LoRA rank or quantization is the job itself, not a lever.
 
 With ``world_size`` W and ``sharding`` (none | zero1 | zero2 | zero3 | fsdp) the plan is per rank:
 micro-batch × accumulation × W = the effective batch, each rank's memory as the scheme divides
@@ -15,10 +28,10 @@ it (:mod:`memfit.estimate.sharding`). When nothing fits, the suggestions price s
 least configuration's memory per GPU on more GPUs and with each scheme (``scale_out``), and the
 smallest world size with the least harmful scheme that fits, as a command to run.
 
-Within the least harmful tier that fits, configurations are ranked by predicted throughput
-(:mod:`memfit.plan.cost`). For fixed other knobs memory grows with the micro-batch, and so does
-throughput, so each knob combination is tried at its largest fitting micro-batch, found by
-bisection over the divisors of the per-rank batch. A combination is traced only when its best
+Within the least harmful tier (and round) that fits, configurations are ranked by predicted
+throughput (:mod:`memfit.plan.cost`). For fixed other knobs memory grows with the micro-batch,
+and so does throughput, so each knob combination is tried at its largest fitting micro-batch,
+found by bisection over the divisors of the per-rank batch. A combination is traced only when its best
 possible throughput (the whole per-rank batch at once) could beat the best found so far.
 """
 
@@ -45,191 +58,15 @@ from memfit.job import (
     positions_problem,
 )
 from memfit.plan import cost
+from memfit.plan.configuration import LORA_RANK, QLORA, TIERS, Candidate, Levers, Plan
 from memfit.plan.data_profile import DataProfile
 from memfit.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from memfit.models import ModelSpec
 
-LEVERS = ("optimizer", "truncation", "lora")  # what --allow accepts, least harmful first
-LORA_RANK = 8
-
-
-@dataclass(frozen=True)
-class Levers:
-    """A candidate's levers: everything but the micro-batch size."""
-
-    precision: str
-    gradient_checkpointing: bool
-    optimizer: str
-    max_seq_len: int
-    lora_rank: int
-
-    def tier(self, base_optimizer: str, seq_len: int) -> int:
-        """0: no harmful lever; then the most harmful allowed lever used (1 optimizer, 2
-        truncation, 3 LoRA)."""
-        if self.lora_rank:
-            return 3
-        if self.max_seq_len < seq_len:
-            return 2
-        return 1 if self.optimizer != base_optimizer else 0
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A configuration that was estimated."""
-
-    knobs: Levers
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    world_size: int
-    loss: str
-    mini_batch_size: int | None
-    predicted_peak_bytes: int
-    predicted_samples_per_second: float
-    sharding: str = "none"
-
-    def settings(self) -> dict[str, Any]:
-        """The plan keys (plus ``lora_rank``)."""
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "world_size": self.world_size,
-            "sharding": self.sharding,
-            "precision": self.knobs.precision,
-            "gradient_checkpointing": self.knobs.gradient_checkpointing,
-            "optimizer": self.knobs.optimizer,
-            "max_seq_len": self.knobs.max_seq_len,
-            "loss": self.loss,
-            "mini_batch_size": self.mini_batch_size,
-            "max_tokens_per_micro_batch": (self.mini_batch_size or self.micro_batch_size)
-            * self.knobs.max_seq_len,
-            "lora_rank": self.knobs.lora_rank or None,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.settings(),
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "predicted_samples_per_second": round(self.predicted_samples_per_second, 3),
-        }
-
-
-@dataclass
-class Plan:
-    """What ``memfit plan`` answers; ``to_dict`` is the ``--json`` contract."""
-
-    fits: bool
-    budget_bytes: int
-    predicted_peak_bytes: int | None
-    min_required_bytes: int
-    chosen: Candidate | None
-    alternatives: list[Candidate]
-    explanation: list[str]
-    suggestions: list[str]
-    # what the job is, for --write-config and for reading the plan back
-    model: str = ""
-    task: str = ""
-    seq_len: int = 0
-    effective_batch_size: int = 0
-    num_labels: int = 2
-    gpu: str | None = None
-    safety_margin: float = 0.05
-    data: dict[str, Any] = field(default_factory=dict)
-    world_size: int = 1
-    sharding: str = "none"
-    # the least configuration's memory per GPU on other world sizes and schemes (nothing fits)
-    scale_out: list[dict[str, Any]] = field(default_factory=list)
-    # the job's other flags, for the commands the plan prints
-    loss: str | None = None
-    allow: tuple[str, ...] = ()
-    pinned_precision: str | None = None
-    base_optimizer: str = "adamw"
-    attn_implementation: str = "sdpa"
-
-    @property
-    def plan(self) -> dict[str, Any] | None:
-        return None if self.chosen is None else self.chosen.settings()
-
-    @property
-    def predicted_samples_per_second(self) -> float:
-        return 0.0 if self.chosen is None else self.chosen.predicted_samples_per_second
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "fits": self.fits,
-            "budget_bytes": self.budget_bytes,
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "min_required_bytes": self.min_required_bytes,
-            "plan": self.plan,
-            "predicted_samples_per_second": round(self.predicted_samples_per_second, 3),
-            "alternatives": [c.to_dict() for c in self.alternatives],
-            "explanation": list(self.explanation),
-            "suggestions": list(self.suggestions),
-            "world_size": self.world_size,
-            "sharding": self.sharding,
-            "scale_out": [dict(row) for row in self.scale_out],
-        }
-
-    def estimate_command(self) -> str | None:
-        """The ``memfit estimate`` command that re-checks the plan's peak by hand."""
-        if self.chosen is None:
-            return None
-        s = self.chosen.settings()
-        parts = [
-            f"memfit estimate {self.model} --task {self.task}",
-            f"--batch-size {s['micro_batch_size']} --seq-len {self.seq_len}",
-            f"--precision {s['precision']} --optimizer {s['optimizer']}",
-        ]
-        if self.task == "classification":
-            parts.append(f"--num-labels {self.num_labels}")
-        if self.task == "sentence-embedding":
-            parts.append(f"--loss {s['loss']}")
-        if s["mini_batch_size"]:
-            parts.append(f"--mini-batch-size {s['mini_batch_size']}")
-        if s["gradient_accumulation_steps"] > 1:
-            parts.append(f"--gradient-accumulation-steps {s['gradient_accumulation_steps']}")
-        if s["gradient_checkpointing"]:
-            parts.append("--gradient-checkpointing")
-        if s["max_seq_len"] < self.seq_len:
-            parts.append(f"--max-seq-len {s['max_seq_len']}")
-        if s["lora_rank"]:
-            parts.append(f"--lora-rank {s['lora_rank']}")
-        if s["world_size"] > 1:
-            parts.append(f"--world-size {s['world_size']}")
-        if s["sharding"] != "none":
-            parts.append(f"--sharding {s['sharding']}")
-        if self.attn_implementation != "sdpa":
-            parts.append(f"--attn-implementation {self.attn_implementation}")
-        if self.gpu:
-            parts.append(f"--gpu {self.gpu}")
-        return " ".join(parts)
-
-    def plan_command(self, world_size: int, sharding: str) -> str:
-        """The ``memfit plan`` command of this job on ``world_size`` GPUs with ``sharding``."""
-        parts = [
-            f"memfit plan {self.model} --task {self.task} --seq-len {self.seq_len}",
-            f"--effective-batch-size {self.effective_batch_size}",
-        ]
-        if self.task == "classification" and self.num_labels != 2:
-            parts.append(f"--num-labels {self.num_labels}")
-        if self.loss:
-            parts.append(f"--loss {self.loss}")
-        from memfit.devices.catalog import catalog as gpus
-
-        card = gpus().get(self.gpu) if self.gpu else None
-        if card is None or card.memory_bytes != self.budget_bytes:
-            parts.append(f"--gpu-memory {self.budget_bytes}")
-        if self.gpu:
-            parts.append(f"--gpu {self.gpu}")
-        if self.pinned_precision:
-            parts.append(f"--precision {self.pinned_precision}")
-        if self.allow:
-            parts.append(f"--allow {','.join(self.allow)}")
-        parts.append(f"--world-size {world_size}")
-        if sharding != "none":
-            parts.append(f"--sharding {sharding}")
-        return " ".join(parts)
+LEVERS = ("optimizer", "truncation", "lora", "quantization")  # --allow's, least harmful first
+__all__ = ["LEVERS", "LORA_RANK", "QLORA", "TIERS", "Candidate", "Levers", "Plan", "plan"]
 
 
 # --- the search --------------------------------------------------------------------------------------
@@ -254,12 +91,25 @@ class Search:
     frugal_precision: str = "fp32"
     sharding: str = "none"
     trace_depth: str = "auto"
+    # the job's own LoRA rank and quantization (0 and none: full fine-tuning of plain weights)
+    base_rank: int = 0
+    base_quantization: str = "none"
+    # the least configurations (every lever at its most frugal, micro-batch 1) and their peaks
+    least: dict[Levers, int] = field(default_factory=dict)
     _estimates: dict[tuple[Levers, int], int] = field(default_factory=dict)
     _model_states: dict[tuple[Levers, int], int] = field(default_factory=dict)
 
     @property
     def in_batch_negatives(self) -> bool:
         return self.loss in IN_BATCH_NEGATIVE_LOSSES
+
+    def tier(self, knobs: Levers) -> int:
+        """The most harmful lever ``knobs`` use beyond the job's own values (:data:`TIERS`)."""
+        return knobs.tier(self.base_optimizer, self.seq_len, self.base_rank, self.base_quantization)
+
+    def order(self, knobs: Levers) -> tuple[int, bool]:
+        """The search's order: the tier, then a paged optimizer swap after the tier's others."""
+        return self.tier(knobs), knobs.paged_swap(self.base_optimizer)
 
     def estimate_kwargs(self, knobs: Levers, micro: int) -> dict[str, Any]:
         """The ``estimate`` arguments of these knobs at micro-batch (or mini-batch) ``micro``."""
@@ -276,6 +126,9 @@ class Search:
         else:
             # the later micro-batches run while the earlier ones' gradients are alive
             kwargs["gradient_accumulation_steps"] = self.per_rank // micro
+        if knobs.quantization != "none":
+            # the estimate's defaults otherwise, so that plain plans ask what they always asked
+            kwargs.update(quantization=knobs.quantization, double_quant=knobs.double_quant)
         return dict(
             task=self.task,
             batch_size=batch,
@@ -347,6 +200,9 @@ class Search:
             world_size=self.world_size,
             columns=self.columns,
             mini_batch_size=micro if cached else None,
+            quantization=knobs.quantization,
+            double_quant=knobs.double_quant,
+            lora_rank=knobs.lora_rank,
         )
 
     def largest_fitting(self, knobs: Levers, micros: Sequence[int]) -> int | None:
@@ -382,29 +238,42 @@ def _truncations(seq_len: int, profile: DataProfile | None) -> list[int]:
 @dataclass(frozen=True)
 class Space:
     """The lever values a plan may try: the pinned or the GPU's precisions, and the allowed
-    optimizers, truncations and LoRA ranks (the job's own values first)."""
+    optimizers, truncations, LoRA ranks and base-weight quantizations (the job's own values
+    first; a quantization is tried only with a LoRA rank)."""
 
     precisions: tuple[str, ...]
     optimizers: tuple[str, ...]
     lengths: tuple[int, ...]
     ranks: tuple[int, ...]
+    quantizations: tuple[tuple[str, bool], ...] = (("none", False),)
+
+    def _weights(self, rank: int) -> list[tuple[str, bool]]:
+        """The base weights' forms that go with ``rank``: quantized ones only under LoRA."""
+        return [q for q in self.quantizations if rank or q[0] == "none"]
 
     def combos(self) -> list[Levers]:
         """Every combination of the levers, checkpointing off and on."""
         return [
-            Levers(p, c, o, s, r)
+            Levers(p, c, o, s, r, q, dq)
             for p in self.precisions
             for c in (False, True)
             for o in self.optimizers
             for s in self.lengths
             for r in self.ranks
+            for q, dq in self._weights(r)
         ]
 
     def frugal(self) -> list[Levers]:
-        """Every lever at its most frugal, for each precision and optimizer: the least
-        configurations (which is smallest depends on the model)."""
+        """Every lever at its most frugal, for each precision, optimizer and base-weight form: the
+        least configurations (which is smallest depends on the model: peft's k-bit preparation
+        upcasts what is not quantized, which can outweigh the saving on a small model)."""
         length, rank = min(self.lengths), max(self.ranks)
-        return [Levers(p, True, o, length, rank) for p in self.precisions for o in self.optimizers]
+        return [
+            Levers(p, True, o, length, rank, q, dq)
+            for p in self.precisions
+            for o in self.optimizers
+            for q, dq in self._weights(rank)
+        ]
 
 
 def plan(
@@ -426,10 +295,17 @@ def plan(
     attn_implementation: str = "sdpa",
     sharding: str = "none",
     trace_depth: str = "auto",
+    lora_rank: int | None = None,
+    quantization: str | None = None,
+    double_quant: bool | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing (and, when allowed, optimizer,
-    truncation, LoRA) so that one step fits ``budget × (1 − safety_margin)`` and the effective
-    batch stays ``effective_batch_size`` exactly.
+    truncation, LoRA, quantized base weights) so that one step fits ``budget × (1 −
+    safety_margin)`` and the effective batch stays ``effective_batch_size`` exactly.
+
+    ``lora_rank``, ``quantization`` and ``double_quant`` pin the job's own LoRA adapters and base
+    weights (kept as given); ``allow`` may add ``lora`` (rank 8) and ``quantization`` (QLoRA's
+    NF4 with double quantization; it needs LoRA: ``lora`` allowed too, or a ``lora_rank``).
 
     ``world_size`` GPUs share the effective batch; ``sharding`` (none | zero1 | zero2 | zero3 |
     fsdp) says how they divide parameters, gradients and optimizer state; the budget is per GPU.
@@ -452,6 +328,9 @@ def plan(
         optimizer=optimizer,
         sharding=sharding,
         attn_implementation=attn_implementation,
+        lora_rank=lora_rank,
+        quantization=quantization,
+        double_quant=double_quant,
     )
     model_spec, budget, card = _validate(
         job,
@@ -466,6 +345,14 @@ def plan(
     if resolved_loss == "cached-mnrl":
         resolved_loss = "mnrl"  # the plan decides whether to cache
     spec = workload.StepSpec(task=task, num_labels=num_labels, loss=resolved_loss)
+    profile = (
+        data_profile
+        if isinstance(data_profile, DataProfile) or data_profile is None
+        else DataProfile(tuple(int(x) for x in data_profile), source="data_profile")
+    )
+    base_rank = lora_rank or 0
+    base_weights = (quantization or "none", bool(double_quant))
+    space = _space(card, precision, optimizer, allowed, seq_len, profile, base_rank, base_weights)
     search = Search(
         model=model,
         task=task,
@@ -479,17 +366,13 @@ def plan(
         gpu=card,
         gpu_name=gpu_name,
         usable=int(budget * (1 - safety_margin)),
-        shape=cost.model_shape(model_spec.config, spec),
+        shape=cost.model_shape(model_spec.config, spec, lora=max(space.ranks) > 0),
         columns=2 if task == "sentence-embedding" else 1,
         sharding=sharding,
         trace_depth=trace_depth,
+        base_rank=base_rank,
+        base_quantization=base_weights[0],
     )
-    profile = (
-        data_profile
-        if isinstance(data_profile, DataProfile) or data_profile is None
-        else DataProfile(tuple(int(x) for x in data_profile), source="data_profile")
-    )
-    space = _space(card, precision, optimizer, allowed, seq_len, profile)
     if trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None:
         _prefetch(search, space)
     chosen, evaluated, min_required = _search(search, space)
@@ -516,6 +399,9 @@ def plan(
         pinned_precision=precision,
         base_optimizer=optimizer,
         attn_implementation=attn_implementation,
+        lora_rank=lora_rank or None,
+        quantization=None if base_weights[0] == "none" else base_weights[0],
+        double_quant=base_weights[1] or None,
     )
     _conclude(result, search, space, evaluated, profile, notes)
     return result
@@ -528,16 +414,27 @@ def _space(
     allowed: Sequence[str],
     seq_len: int,
     profile: DataProfile | None,
+    base_rank: int = 0,
+    base_weights: tuple[str, bool] = ("none", False),
 ) -> Space:
     """The levers the plan may try: the pinned precision or the GPU's mixed one and fp32, and
-    only the allowed swaps, truncations and LoRA beside the job's own values."""
+    only the allowed swaps, truncations, LoRA and quantization beside the job's own values (a
+    pinned LoRA rank or quantization is the only one tried)."""
+    if base_rank:
+        ranks: tuple[int, ...] = (base_rank,)
+    else:
+        ranks = (0,) + ((LORA_RANK,) if "lora" in allowed else ())
+    weights: tuple[tuple[str, bool], ...] = (base_weights,)
+    if base_weights[0] == "none" and "quantization" in allowed:
+        weights += (QLORA,)
     return Space(
         precisions=(precision,) if precision else (card.mixed_precision(), "fp32"),
         optimizers=(optimizer,)
         + (tuple(o for o in SWAP_OPTIMIZERS if o != optimizer) if "optimizer" in allowed else ()),
         lengths=(seq_len,)
         + (tuple(_truncations(seq_len, profile)) if "truncation" in allowed else ()),
-        ranks=(0,) + ((LORA_RANK,) if "lora" in allowed else ()),
+        ranks=ranks,
+        quantizations=weights,
     )
 
 
@@ -561,6 +458,12 @@ def _validate(
     for lever in allowed:
         if lever not in LEVERS:
             problems.append(f"--allow: unknown lever {lever!r}; choose from {', '.join(LEVERS)}")
+    if "quantization" in allowed and "lora" not in allowed and not job.lora_rank:
+        # allowing one lever never grants another: LoRA changes what is learned by itself
+        problems.append(
+            "--allow quantization: quantized base weights are frozen, so it needs LoRA adapters "
+            "(QLoRA); allow both (--allow lora,quantization) or give --lora-rank R"
+        )
     budget: int | None = None
     if gpu_memory is not None:
         try:
@@ -638,11 +541,7 @@ def _prefetch(search: Search, space: Space) -> None:
     transformers).
     """
     frugal = set(space.frugal())
-    first = [
-        k
-        for k in space.combos()
-        if k.tier(search.base_optimizer, search.seq_len) == 0 and k not in frugal
-    ]
+    first = [k for k in space.combos() if search.tier(k) == 0 and k not in frugal]
     prefetch(
         search.model,
         [search.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
@@ -652,20 +551,24 @@ def _prefetch(search: Search, space: Space) -> None:
 
 def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candidate], int]:
     """The fastest configuration of the least harmful tier that fits (None: nothing fits), every
-    configuration estimated on the way, and the least memory any allowed configuration needs."""
-    base, seq_len, per_rank = search.base_optimizer, search.seq_len, search.per_rank
+    configuration estimated on the way, and the least memory any allowed configuration needs.
+
+    Each tier is searched in two rounds (:meth:`Search.order`): without a paged optimizer swap,
+    then with one; a round that fits ends the search."""
+    per_rank = search.per_rank
     combos = space.combos()
     micros = _divisors(per_rank)
     evaluated: list[Candidate] = []
     # the least any allowed configuration needs: when even that is over, skip the search
     min_required, _ = _min_required(search, space)
-    for tier in range(4 if min_required <= search.usable else 0):
-        tier_combos = [k for k in combos if k.tier(base, seq_len) == tier]
+    rounds = sorted({search.order(k) for k in combos})
+    for tier in rounds if min_required <= search.usable else []:
+        tier_combos = [k for k in combos if search.order(k) == tier]
         # most promising first: the throughput each could reach with the whole batch at once
         tier_combos.sort(key=lambda k: -search.speed(k, per_rank))
         for knobs in tier_combos:
             best_here = max(
-                (c for c in evaluated if c.knobs.tier(base, seq_len) == tier),
+                (c for c in evaluated if search.order(c.knobs) == tier),
                 key=lambda c: c.predicted_samples_per_second,
                 default=None,
             )
@@ -677,7 +580,7 @@ def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candid
             micro = search.largest_fitting(knobs, micros)
             if micro is not None:
                 evaluated.append(search.candidate(knobs, micro))
-        fitting = [c for c in evaluated if c.knobs.tier(base, seq_len) == tier]
+        fitting = [c for c in evaluated if search.order(c.knobs) == tier]
         if fitting:
             return (
                 max(fitting, key=lambda c: c.predicted_samples_per_second),
@@ -703,10 +606,7 @@ def _conclude(
     chosen = result.chosen
     result.alternatives = sorted(
         (c for c in evaluated if c is not chosen),
-        key=lambda c: (
-            c.knobs.tier(search.base_optimizer, search.seq_len),
-            -c.predicted_samples_per_second,
-        ),
+        key=lambda c: (search.order(c.knobs), -c.predicted_samples_per_second),
     )[:5]
     if profile is not None:
         result.data = {"source": profile.source, "samples": len(profile.lengths)}
@@ -721,7 +621,8 @@ def _min_required(search: Search, space: Space) -> tuple[int, str]:
     lever at its most frugal, the smallest micro-batch, each precision and optimizer tried (which
     is smaller depends on the model: mixed precision halves activations but adds a half-precision
     copy of the weights)."""
-    need, precision = min((search.peak(k, 1), k.precision) for k in space.frugal())
+    search.least = {k: search.peak(k, 1) for k in space.frugal()}
+    need, precision = min((peak, k.precision) for k, peak in search.least.items())
     search.frugal_precision = precision
     return need, precision
 
@@ -757,7 +658,7 @@ def _scale_out(job: Search, space: Space) -> list[dict[str, Any]]:
                 _model_states={},
             )
             need, knobs = min(
-                (other.peak(k, 1), k.precision + "/" + k.optimizer) for k in space.frugal()
+                ((other.peak(k, 1), k) for k in space.frugal()), key=lambda pair: pair[0]
             )
             rows.append(
                 {
@@ -765,8 +666,9 @@ def _scale_out(job: Search, space: Space) -> list[dict[str, Any]]:
                     "sharding": scheme,
                     "predicted_peak_bytes": need,
                     "fits": need <= job.usable,
-                    "precision": knobs.split("/")[0],
-                    "optimizer": knobs.split("/")[1],
+                    "precision": knobs.precision,
+                    "optimizer": knobs.optimizer,
+                    "quantization": knobs.quantization,
                 }
             )
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memfit.units import format_bytes
@@ -80,10 +81,11 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                 table.add_row(key, str(value))
         table.add_row("predicted peak", format_bytes(plan.chosen.predicted_peak_bytes))
         table.add_row("budget", format_bytes(plan.budget_bytes))
-        table.add_row("samples/s (cost model)", f"{plan.chosen.predicted_samples_per_second:.1f}")
+        rate = plan.chosen.predicted_samples_per_second
+        table.add_row("samples/s (cost model)", f"{rate:.1f}" if rate >= 1 else f"{rate:.2g}")
         console.print(table)
     for line in plan.explanation:
-        console.print(f"• {line}", soft_wrap=True)
+        console.print(f"• {escape(line)}", soft_wrap=True)  # [brackets] are not markup
     if plan.alternatives:
         console.print("Alternatives that fit:")
         for alt in plan.alternatives:
@@ -94,9 +96,14 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                 f"{s['optimizer']}, {s['max_seq_len']} tokens"
                 + (f", mini-batch {s['mini_batch_size']}" if s["mini_batch_size"] else "")
                 + (f", LoRA r={s['lora_rank']}" if s["lora_rank"] else "")
+                + (
+                    f", {s['quantization']} base" + (" (double quant)" if s["double_quant"] else "")
+                    if s.get("quantization", "none") != "none"
+                    else ""
+                )
                 + f": {format_bytes(alt.predicted_peak_bytes)}, "
                 f"{alt.predicted_samples_per_second:.1f} samples/s",
                 soft_wrap=True,
             )
     for line in plan.suggestions:
-        console.print(f"→ {line}", soft_wrap=True)
+        console.print(f"→ {escape(line)}", soft_wrap=True)

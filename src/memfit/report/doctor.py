@@ -16,6 +16,7 @@ from typing import Any
 
 from memfit.errors import UsageError
 from memfit.job import OPTIMIZER_TABLE, SWAP_OPTIMIZERS, Job
+from memfit.plan.configuration import LORA_RANK, QLORA
 from memfit.report.events import agreed_events
 from memfit.report.oom_message import KIND_TITLES, OomReport, parse_oom
 from memfit.units import format_bytes
@@ -66,7 +67,8 @@ def failed_job(
 
 def estimate_kwargs(job: Job) -> dict[str, Any]:
     """The :func:`memfit.estimate` arguments of the failed ``job`` (fp32, no checkpointing, two
-    labels, no accumulation, CUDA where it does not say)."""
+    labels, no accumulation, plain weights, CUDA where it does not say)."""
+    quantized = job.quantization not in (None, "none")
     return {
         "task": job.task,
         "batch_size": job.micro_batch_size,
@@ -79,6 +81,12 @@ def estimate_kwargs(job: Job) -> dict[str, Any]:
         "lora_rank": job.lora_rank,
         "gradient_accumulation_steps": job.gradient_accumulation_steps or 1,
         "device": job.device or "cuda",
+        # the estimate's defaults otherwise
+        **(
+            {"quantization": job.quantization, "double_quant": bool(job.double_quant)}
+            if quantized
+            else {}
+        ),
     }
 
 
@@ -89,7 +97,8 @@ def job_record(job: Job) -> dict[str, Any]:
     device = record.pop("device")
     known = getattr(job, "effective_batch_known", True)
     effective = job.effective_batch_size if known else None
-    return record | {"effective_batch_size": effective, "device": device}
+    weights = {"quantization": job.quantization or "none", "double_quant": bool(job.double_quant)}
+    return record | weights | {"effective_batch_size": effective, "device": device}
 
 
 @dataclass
@@ -374,12 +383,59 @@ def _cures(knobs: Job | None, saving: Callable[..., int | None]) -> list[Fix]:
         candidates.append(
             Fix(
                 change="LoRA adapters (peft, rank 8) instead of full fine-tuning",
-                saves_bytes=saving(lora_rank=8),
+                saves_bytes=saving(lora_rank=LORA_RANK),
                 cost="trains adapters, not all weights: quality can differ from full fine-tuning",
                 lever="lora",
             )
         )
+    qlora = _qlora_fix(knobs, saving, candidates) if knobs and _could_quantize(knobs) else None
+    if qlora is not None:
+        candidates.append(qlora)
     return candidates
+
+
+def _could_quantize(job: Job) -> bool:
+    """A decoder on a GPU with plain base weights: memfit plan's quantization lever (QLoRA) fits
+    it. The estimate decides whether it is big enough to gain (a small model's upcast
+    embeddings can outweigh the 4-bit weights)."""
+    return (
+        job.task == "causal-lm"
+        and job.quantization in (None, "none")
+        and (job.device or "cuda") == "cuda"
+    )
+
+
+def _qlora_fix(job: Job, saving: Callable[..., int | None], cures: list[Fix]) -> Fix | None:
+    """QLoRA as memfit plan's quantization lever makes it: the job's LoRA rank (else rank 8)
+    on NF4 base weights with double quantization. For a full fine-tuning job it must save more
+    than the LoRA fix alone (None: it does not)."""
+    quantization, double_quant = QLORA
+    rank = job.lora_rank or LORA_RANK
+    saves = saving(lora_rank=rank, quantization=quantization, double_quant=double_quant)
+    flags = f"--quantization {quantization}" + (" --double-quant" if double_quant else "")
+    if job.lora_rank:
+        change = (
+            f"QLoRA: the frozen base weights in {quantization} with double quantization under "
+            f"the rank-{rank} adapters ({flags}; memfit plan --lora-rank {rank} --allow "
+            "quantization plans it)"
+        )
+    else:
+        change = (
+            f"QLoRA: LoRA adapters (rank {rank}) on {quantization} base weights with double "
+            f"quantization (--lora-rank {rank} {flags}; memfit plan --allow lora,quantization "
+            "plans it)"
+        )
+        lora = next((f.saves_bytes for f in cures if f.lever == "lora"), None)
+        if saves is not None and lora is not None and saves <= lora:
+            return None  # more harm than LoRA for no more memory
+    return Fix(
+        change=change,
+        saves_bytes=saves,
+        cost="slower steps: every forward and backward dequantizes the base weights (memfit "
+        "plan prices it); QLoRA (Dettmers et al. 2023) matched 16-bit LoRA on its benchmarks, "
+        "a small quality risk remains; needs bitsandbytes and a CUDA GPU",
+        lever="quantization",
+    )
 
 
 def _swap_saves(optimizer: str) -> bool:
@@ -395,6 +451,11 @@ def _plan_fix(report: OomReport, knobs: Job | None, cuda: bool) -> Fix:
     parts += ["--task", knobs.task if knobs else "TASK"]
     parts += ["--effective-batch-size", str(knobs.effective_batch_size) if knobs else "N"]
     parts += ["--seq-len", str(knobs.seq_len) if knobs else "LEN"]
+    if knobs is not None and knobs.lora_rank:
+        parts += ["--lora-rank", str(knobs.lora_rank)]  # the job's own: the plan keeps them
+    if knobs is not None and knobs.quantization not in (None, "none"):
+        parts += ["--quantization", knobs.quantization]
+        parts += ["--double-quant"] if knobs.double_quant else []
     budget = report.capacity_bytes
     if budget is not None:
         parts += ["--gpu-memory", str(budget)]
@@ -492,6 +553,8 @@ def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Job | N
         num_labels=int(config.get("num_labels") or len(config.get("labels") or []) or 2),
         loss=config.get("loss"),
         lora_rank=config.get("lora_rank"),
+        quantization=config.get("quantization"),
+        double_quant=config.get("double_quant"),
         gradient_accumulation_steps=accumulation,
         effective_batch_size=effective,
         device="cpu" if device.startswith("cpu") else "cuda",

@@ -8,6 +8,10 @@ is ``manifest.json``: every other file's size and SHA-256. A resume verifies it 
 a checkpoint that does not match (a disk that lost or cut a file after the rename, a hand edit).
 Only files this run wrote are read back (``torch.load(weights_only=True)``: no unpickling of
 arbitrary objects).
+
+A QLoRA run's weights file holds only what it trains (the adapters, a classifier's head; marked
+in the file's metadata): the quantized base is never written, a resume loads it from ``--model``
+again (:mod:`memfit.train.quantization`).
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from memfit.train.quantization import holds_quantized_weights, load_trained_state, trained_state
 from memfit.train.runfolder import removed_on_failure
 
 STATE_FILE = "trainer_state.json"
+# the weights file's metadata key saying what it holds, and its value for "the trained
+# parameters only" (a QLoRA run's checkpoint)
+WEIGHTS_KIND = "memfit_weights"
+TRAINED_ONLY = "trained"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -135,6 +145,13 @@ def _write(
     with removed_on_failure(tmp):
         if weights is not None:
             save_file(_unshared(weights), str(tmp / "model.safetensors"))
+        elif holds_quantized_weights(model):
+            # QLoRA: the trained parameters only; the frozen base is reloaded from --model
+            save_file(
+                _unshared(trained_state(model)),
+                str(tmp / "model.safetensors"),
+                metadata={WEIGHTS_KIND: TRAINED_ONLY},
+            )
         else:
             save_model(model, str(tmp / "model.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
@@ -158,6 +175,17 @@ def _write(
     if keep is not None:
         for old_step in completed_steps(folder)[:-keep]:
             shutil.rmtree(folder / f"step-{old_step}", ignore_errors=True)
+
+
+def _load_weights(model: nn.Module, file: Path, device: torch.device) -> None:
+    """A checkpoint's weights into ``model``: the whole model, or a QLoRA run's trained
+    parameters (then the rest of the model is the base as loaded)."""
+    with safe_open(str(file), framework="pt") as handle:
+        kind = (handle.metadata() or {}).get(WEIGHTS_KIND)
+    if kind == TRAINED_ONLY:
+        load_trained_state(model, load_file(str(file), device=str(device)))
+    else:
+        load_model(model, str(file), device=str(device))
 
 
 def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -291,7 +319,7 @@ def read_checkpoint(
             torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True),
         )
     else:
-        load_model(model, str(path / "model.safetensors"), device=str(device))
+        _load_weights(model, path / "model.safetensors", device)
         optimizer.load_state_dict(
             torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
         )

@@ -19,7 +19,6 @@ The job's own fields are flags of ``memfit train`` too, with the help lines of
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +86,16 @@ class TrainConfig(Job):
     """Classification: a second text (sentence pairs)."""
     anchor_column: str = knob("Anchor column (sentence-embedding).", default="anchor")
     positive_column: str = knob("Positive column (sentence-embedding).", default="positive")
+    prompt_column: str | None = knob(
+        "causal-lm: prompt column of prompt/completion rows (loss on the completion only)."
+    )
+    completion_column: str | None = knob(
+        "causal-lm: completion column of prompt/completion rows (with --prompt-column)."
+    )
+    messages_column: str | None = knob(
+        "causal-lm: column of chat messages ([{role, content}, ...]) rendered with the "
+        "tokenizer's chat template; loss on the assistant turns only."
+    )
     packing: bool = knob("causal-lm: pack texts into full blocks.", negatable=True, default=False)
     epochs: int = knob("Passes over the data (default 1).", minimum=1, default=1)
     max_steps: int | None = knob("Optimizer steps (instead of --epochs).", minimum=1)
@@ -214,6 +223,19 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
         # in-batch negatives: one pair per step has none (a loss of 0)
         problems.extend(batch_problems(cfg.loss or "mnrl", int(cfg.effective_batch_size)))
+    from memfit.data.instructions import flag_problems
+
+    # prompt/completion and chat rows: causal-lm only, the two columns together, no packing
+    problems.extend(
+        flag_problems(
+            task=cfg.task,
+            prompt_column=cfg.prompt_column,
+            completion_column=cfg.completion_column,
+            messages_column=cfg.messages_column,
+            packing=cfg.packing,
+            text_column=cfg.text_column,
+        )
+    )
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
         problems.append(f"--seed: must be a whole number from 0 to {2**32 - 1}, got {cfg.seed}")
     if cfg.lr <= 0:
@@ -267,14 +289,10 @@ def _optimizer_problems(name: str) -> list[str]:
     optimizer = OPTIMIZER_TABLE.get(name)
     if optimizer is None or optimizer.needs is None:
         return []
-    try:
-        importlib.import_module(optimizer.needs)
-    except Exception:
-        return [
-            f"--optimizer: {name} needs a working {optimizer.needs} (pip install "
-            f"{optimizer.needs}, on a CUDA machine); use adamw or adafactor here"
-        ]
-    return []
+    from memfit.train.quantization import package_problem
+
+    problem = package_problem(optimizer.needs, f"--optimizer {name}")
+    return [f"{problem}; or use adamw or adafactor"] if problem else []
 
 
 def _distributed_problems(cfg: TrainConfig) -> list[str]:

@@ -10,6 +10,10 @@ trained whole) beside the tokenizer. It loads with ``peft.AutoPeftModelFor…`` 
 ``PeftModel.from_pretrained(base, folder)``; a sentence-transformers folder loads with
 ``SentenceTransformer(folder)``. ``--merge-lora`` saves the merged model instead: a plain folder
 that loads without peft (and that ``memfit predict`` reads).
+
+QLoRA (``--quantization``) puts the same adapters on a base that bitsandbytes holds quantized;
+what differs (loading, checkpoints, ``--merge-lora`` into an unquantized copy of the base) is in
+:mod:`memfit.train.quantization`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from typing import Any
 from torch import nn
 
 from memfit.errors import UsageError
+from memfit.train.quantization import (
+    holds_quantized_weights,
+    merged_unquantized,
+    quantization_problems,
+)
 
 
 def lora_problems(cfg: Any) -> list[str]:
@@ -38,6 +47,8 @@ def lora_problems(cfg: Any) -> list[str]:
             problems.append("--lora-target-modules: only with --lora-rank R (LoRA adapters)")
         if cfg.merge_lora:
             problems.append("--merge-lora: only with --lora-rank R (LoRA adapters)")
+    # QLoRA's own (the package, the task); its need of --lora-rank is the job's check
+    problems.extend(quantization_problems(cfg))
     return problems
 
 
@@ -129,7 +140,11 @@ def save_lora(recipe: Any, folder: Path, *, merge: bool) -> None:
         return
     model = recipe.model
     with _quiet_peft():
-        if hasattr(model, "merge_and_unload"):
+        if holds_quantized_weights(model):
+            # QLoRA: merged into an unquantized copy of the base, read again from --model (the
+            # decision and its cost: memfit.train.quantization)
+            merged = merged_unquantized(model, recipe.model_name)
+        elif hasattr(model, "merge_and_unload"):
             merged = copy.deepcopy(model).merge_and_unload()
         else:
             merged = copy.deepcopy(model)

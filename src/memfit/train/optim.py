@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from memfit.train.config import TrainConfig
+
+# --optimizer names and bitsandbytes' classes: AdamW with 8-bit state (block-wise quantized), and
+# the paged ones, whose state lives in CUDA unified memory that the driver pages out to the host
+# under pressure (8-bit or 32-bit state)
+BITSANDBYTES_OPTIMIZERS = {
+    "adamw-8bit": "AdamW8bit",
+    "paged-adamw-8bit": "PagedAdamW8bit",
+    "paged-adamw-32bit": "PagedAdamW32bit",
+}
 
 
 def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: float) -> Any:
@@ -30,10 +40,14 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: f
         return Adafactor(
             groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
         )
-    if name == "adamw-8bit":
-        import bitsandbytes as bnb
+    if name in BITSANDBYTES_OPTIMIZERS:
+        from memfit.train.quantization import import_quietly
 
-        return bnb.optim.AdamW8bit(groups, lr=lr)
+        bnb = import_quietly("bitsandbytes")
+        # bitsandbytes warns at the first step on the CPU that it does not page there; the run
+        # says so once (memfit.train.setup)
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        return getattr(bnb.optim, BITSANDBYTES_OPTIMIZERS[name])(groups, lr=lr)
     return torch.optim.AdamW(groups, lr=lr)
 
 

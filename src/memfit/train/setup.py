@@ -23,6 +23,8 @@ from memfit.train import checkpoint as ck
 from memfit.train.config import TrainConfig, config_problems
 from memfit.train.console import describe, say
 from memfit.train.optim import make_optimizer, make_scheduler
+from memfit.train.quantization import prepare as prepare_quantized
+from memfit.train.quantization import quantized, quantized_loading
 from memfit.train.resume import step_settings
 
 
@@ -128,6 +130,13 @@ def plan_knobs(
         # where full fine-tuning would not fit (it prefers full fine-tuning's knobs otherwise,
         # which only err on the safe side)
         plan_options["allow"] = ("lora",)
+    if quantized(cfg):
+        # QLoRA: the plan counts the run's own adapters on its quantized base weights
+        plan_options.update(
+            lora_rank=cfg.lora_rank,
+            quantization=cfg.quantization,
+            double_quant=bool(cfg.double_quant),
+        )
     try:
         result = plan(
             cfg.model,
@@ -212,6 +221,7 @@ class RunSetup:
     best: float | None = None  # the best eval metric so far (DIR/best/ holds its model)
     loss_value: float | None = None  # the last step's loss (summed over the ranks)
     stopped: str = "done"
+    quantized: bool = False  # --quantization: bitsandbytes holds the frozen base quantized
     sharded: Any = None  # the FSDP wrapping (--sharding fsdp)
     ranks: Any = None  # the other ranks (torchrun, accelerate launch), or None
 
@@ -250,7 +260,13 @@ class RunSetup:
         cfg, recipe, ranks = self.cfg, self.recipe, self.ranks
         # the model loads before anything is written: a model that cannot be had leaves no folder
         torch.manual_seed(cfg.seed)
-        recipe.build(train_rows)
+        # --quantization: the base loads quantized by bitsandbytes, straight onto the device
+        with quantized_loading(cfg, self.device):
+            recipe.build(train_rows)
+        self.quantized = quantized(cfg)
+        if self.quantized:
+            # frozen, its half-precision leftovers in fp32, then the adapters as for any LoRA run
+            recipe.model = prepare_quantized(recipe.model, cfg)
         if cfg.lora_rank:
             from memfit.train.lora import add_lora
 
@@ -330,7 +346,11 @@ class RunSetup:
     def open_folder(self) -> None:
         """The model on its device, the same on every rank; the run folder made and locked."""
         cfg, ranks = self.cfg, self.ranks
-        self.recipe.to(self.device)
+        if self.quantized:
+            # loaded onto its device (bitsandbytes quantizes as it places the weights): not moved
+            self.recipe.device = self.device
+        else:
+            self.recipe.to(self.device)
         if ranks is not None:
             # rank 0's weights everywhere (a fresh classifier head is random), over the device's
             # own backend (NCCL moves GPU tensors, gloo CPU ones)
@@ -366,6 +386,12 @@ class RunSetup:
             # FSDP2 per transformer block, then the root; the optimizer is built on the shards
             self.sharded = shard_model(model, self.ranks, precision=self.precision, device=device)
         self.optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+        paged = cfg.optimizer.startswith("paged-")
+        if paged and device.type != "cuda" and self.main and not cfg.quiet:
+            say(
+                f"memfit: --optimizer {cfg.optimizer}: bitsandbytes pages optimizer state "
+                "between a CUDA GPU and the host; on the CPU it runs unpaged"
+            )
         self.steps_per_epoch = math.ceil(self.rows_n / self.per_step)
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self.scheduler = make_scheduler(cfg, self.optimizer, self.total_steps)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -41,7 +42,10 @@ def _build(auto: type, spec: ModelSpec, **overrides: object) -> torch.nn.Module:
 def test_every_entry_builds_on_meta(name: str) -> None:
     spec = resolve_model(name)
     assert spec.source == "registry" and spec.path is None and spec.name == name
-    assert spec.config.architectures, "published configs name their architectures"
+    # a published config names the class of its checkpoint when it names one (deberta-v3's does
+    # not), and transformers has that class
+    for architecture in spec.config.architectures or []:
+        assert hasattr(transformers, architecture)
     assert _params(_build(AutoModel, spec)) > 1_000_000
 
 

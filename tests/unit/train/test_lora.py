@@ -37,6 +37,9 @@ TINY: dict[str, dict[str, Any]] = {
     "opt": dict(_COMMON, ffn_dim=64, word_embed_proj_dim=32),
     "bloom": dict(hidden_size=32, n_layer=LAYERS, n_head=2),
     "falcon": dict(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=2),
+    # their default pad ids lie beyond a 128-token vocabulary
+    "phi3": dict(_COMMON, pad_token_id=0),
+    "modernbert": dict(_COMMON, pad_token_id=0),
     **{
         name: dict(_COMMON, num_key_value_heads=2, head_dim=16)
         for name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")

@@ -23,7 +23,6 @@ def _train(tmp_path: Path, *extra: str) -> tuple[int, Path]:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--optimizer", "adamw-8bit"], "adamw-8bit needs a working bitsandbytes"),
         (["--optimizer", "lion"], "--optimizer: unknown value 'lion'"),
         (["--lr-scheduler", "step"], "--lr-scheduler: unknown value 'step'"),
         (["--effective-batch-size", "0"], "--effective-batch-size: must be ≥ 1"),

@@ -11,8 +11,18 @@ the rows are then those blocks (``input_ids`` plus where they came from), the la
 shorter, and no text is truncated (a long text runs over several blocks). Blocks attend across
 document boundaries, as in Hugging Face's ``run_clm``.
 
+Instruction rows (:mod:`memfit.data.instructions`, TRL's SFT conventions): with
+``prompt_column``/``completion_column`` a row is prompt + completion + EOS and the loss covers the
+completion tokens only; with ``messages_column`` a row is a chat rendered with the tokenizer's
+chat template and the loss covers the assistant turns only. Both are cut to ``max_seq_len`` from
+the right; a row with no token left to learn from is a bad row at its line (refused, or skipped
+with ``--skip-bad-rows``), and a tokenizer without a chat template refuses ``messages_column``
+for the whole run. Neither packs (refused with ``packing``).
+
 The loss is the summed token cross-entropy over the step's target-token count, so chunks of
-different lengths weigh by their tokens (the contract in ``base.py``).
+different lengths weigh by their tokens (the contract in ``base.py``): a target token is one
+whose label is not -100 after the shift (the first token, padding, prompts and non-assistant
+turns are none), so a chunk of long prompts and short completions weighs by its completions.
 """
 
 from __future__ import annotations
@@ -25,6 +35,21 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from memfit.data.instructions import (
+    IGNORE_INDEX,
+    VERSION,
+    InstructionColumns,
+    Tokenized,
+    chat_template_problem,
+    flag_problems,
+    has_generation_markers,
+    labels_of,
+    messages_of,
+    parse_messages,
+    template_key,
+    tokenize_chat,
+    tokenize_prompt_completion,
+)
 from memfit.data.rows import (
     LENGTH,
     WHERE,
@@ -33,6 +58,7 @@ from memfit.data.rows import (
     RowTable,
     problem_at,
     read_rows,
+    row_error,
     text_of,
     tokenizer_key,
 )
@@ -41,11 +67,12 @@ from memfit.metrics import perplexity
 from memfit.train.recipes.base import Recipe, Row
 from memfit.train.recipes.loading import load_pretrained
 
-IGNORE_INDEX = -100
-
-
 # the key under which ``read`` keeps a row's tokens (truncated to ``max_seq_len``)
 TOKENS = "__tokens__"
+# instruction rows: 1 where a token is a target (completion, assistant), 0 where it is context
+TARGETS = "__targets__"
+# instruction rows: why a row cannot be trained on ("" when it can), found while tokenizing
+PROBLEM = "__problem__"
 
 
 class CausalLMRecipe(Recipe):
@@ -62,6 +89,9 @@ class CausalLMRecipe(Recipe):
             "packing": cfg.packing,
             "attn_implementation": cfg.attn_implementation,
             "max_seq_len": cfg.max_seq_len or cfg.seq_len or 512,
+            "prompt_column": cfg.prompt_column,
+            "completion_column": cfg.completion_column,
+            "messages_column": cfg.messages_column,
         }
 
     def __init__(
@@ -72,11 +102,25 @@ class CausalLMRecipe(Recipe):
         max_seq_len: int = 512,
         packing: bool = False,
         attn_implementation: str | None = None,
+        prompt_column: str | None = None,
+        completion_column: str | None = None,
+        messages_column: str | None = None,
     ) -> None:
         if max_seq_len < 2:
             raise UsageError(f"--max-seq-len: must be ≥ 2 for causal LM, got {max_seq_len}")
+        problems = flag_problems(
+            task=self.task,
+            prompt_column=prompt_column,
+            completion_column=completion_column,
+            messages_column=messages_column,
+            packing=packing,
+            text_column=text_column,
+        )
+        if problems:
+            raise UsageError("\n".join(problems))
         self.model_name = str(model)
         self.text_column = text_column
+        self.instruction = InstructionColumns(prompt_column, completion_column, messages_column)
         self.max_seq_len = max_seq_len
         self.packing = packing
         self.attn_implementation = attn_implementation
@@ -92,23 +136,62 @@ class CausalLMRecipe(Recipe):
             if self.tokenizer.pad_token is None:
                 # GPT-2 has no pad token; padded positions are masked and no targets, so eos does
                 self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.instruction.messages:
+            # a whole-run error: no row of the run could be rendered
+            problem = chat_template_problem(self.tokenizer, self.model_name)
+            if problem is not None:
+                raise UsageError(problem)
         return self.tokenizer
 
-    def _token_ids(self, row: Row) -> list[int]:
-        """The row's tokens: its packed block, the tokens ``read`` kept, or its text tokenized
-        and truncated (rows made elsewhere)."""
+    def _tokenize(self, batch: dict[str, list[Any]], limit: int | None) -> list[Tokenized]:
+        """Instruction rows' tokens and targets (a batch of column values), cut to ``limit``."""
+        tokenizer, columns = self._load_tokenizer(), self.instruction
+        if columns.messages:
+            markers = has_generation_markers(tokenizer)
+            return [
+                tokenize_chat(tokenizer, messages_of(value), limit, markers=markers)
+                for value in batch[columns.messages]
+            ]
+        assert columns.prompt is not None and columns.completion is not None
+        return tokenize_prompt_completion(
+            tokenizer, batch[columns.prompt], batch[columns.completion], limit
+        )
+
+    def _tokens(self, row: Row) -> tuple[list[int], list[int] | None]:
+        """The row's tokens and targets (None: every token): its packed block, what ``read``
+        kept, or the row tokenized and truncated now (rows made elsewhere)."""
         if "input_ids" in row and self.packing:
-            return list(row["input_ids"])
+            return list(row["input_ids"]), None
         if TOKENS in row:
-            return list(row[TOKENS])
+            targets = row.get(TARGETS)
+            return list(row[TOKENS]), (list(targets) if targets is not None else None)
+        if self.instruction.kind != "text":
+            names = self.instruction.names
+            if self.instruction.kind == "prompt-completion":
+                values: list[Any] = [text_of(row, name) for name in names]
+            else:
+                messages, why = parse_messages(row.get(names[0]), names[0])
+                if messages is None:
+                    raise row_error(row, why or "not a list of messages")
+                values = [messages]
+            batch = {name: [value] for name, value in zip(names, values, strict=True)}
+            tokenized = self._tokenize(batch, self.max_seq_len)[0]
+            if tokenized.problem is not None:
+                raise row_error(row, tokenized.problem)
+            return tokenized.ids, tokenized.targets
         ids = self._load_tokenizer()(
             text_of(row, self.text_column), truncation=True, max_length=self.max_seq_len
         )["input_ids"]
-        return list(ids)
+        return list(ids), None
+
+    def _token_ids(self, row: Row) -> list[int]:
+        return self._tokens(row)[0]
 
     def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
         # the rows are tokenized (and truncated) here, before build: check the length first
         self.fit_folder_positions()
+        if self.instruction.kind != "text":
+            return self._read_instructions(path, flag)
         table = read_rows(path, [Column(self.text_column)], flag=flag, options=self.data_options)
         tokenizer = self._load_tokenizer()
         column = self.text_column
@@ -122,7 +205,12 @@ class CausalLMRecipe(Recipe):
         key = f"causal-lm|{tokenizer_key(tokenizer)}|{limit}|{column}"
         table = table.map_rows(tokenize, key, cache_dir=self.data_options.cache_dir)
         if not self.packing:
-            return self._drop_single_tokens(table)
+            reason = (
+                f"column {self.text_column!r} is a single token: nothing to predict "
+                "(a causal LM row needs at least 2 tokens)"
+            )
+            lengths = [int(n) for n in table.dataset[LENGTH]]
+            return self._drop_bad_rows(table, [reason if n < 2 else "" for n in lengths])
         if tokenizer.eos_token_id is None:
             raise UsageError(f"--packing: the tokenizer of {self.model_name!r} has no eos token")
         stream: list[int] = []
@@ -146,22 +234,50 @@ class CausalLMRecipe(Recipe):
             blocks.append({"input_ids": block, WHERE: where})
         return blocks
 
-    def _drop_single_tokens(self, table: RowTable) -> RowTable:
-        """A text of one token has nothing to predict: a bad row (refused, or skipped)."""
-        lengths = [int(n) for n in table.dataset[LENGTH]]
-        bad = [i for i, n in enumerate(lengths) if n < 2]
+    def _read_instructions(self, path: Path, flag: str) -> RowTable:
+        """Prompt/completion or chat rows, tokenized with their targets (cached beside the
+        data); rows with nothing to learn from refused, or skipped."""
+        # a tokenizer without a chat template fails the run before any row is read
+        tokenizer = self._load_tokenizer()
+        kind = "messages" if self.instruction.messages else "text"
+        columns = [Column(name, kind) for name in self.instruction.names]
+        table = read_rows(path, columns, flag=flag, options=self.data_options)
+        limit = self.max_seq_len
+
+        def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+            rows = self._tokenize(batch, limit)
+            return {
+                TOKENS: [r.ids for r in rows],
+                TARGETS: [r.targets for r in rows],
+                LENGTH: [len(r.ids) for r in rows],
+                PROBLEM: [r.problem or "" for r in rows],
+            }
+
+        key = "|".join(
+            [
+                f"causal-lm-{VERSION}",
+                tokenizer_key(tokenizer),
+                str(tokenizer.eos_token_id),
+                template_key(tokenizer) if self.instruction.messages else "",
+                str(limit),
+                *self.instruction.names,
+            ]
+        )
+        table = table.map_rows(tokenize, key, cache_dir=self.data_options.cache_dir)
+        return self._drop_bad_rows(table, [str(x) for x in table.dataset[PROBLEM]])
+
+    def _drop_bad_rows(self, table: RowTable, reasons: list[str]) -> RowTable:
+        """The rows whose reason is not empty are bad rows found while tokenizing: refused at
+        their lines, or (``--skip-bad-rows``) skipped and listed."""
+        bad = [i for i, reason in enumerate(reasons) if reason]
         if not bad:
             return table
         wheres = table.dataset.select(bad)[WHERE]
-        reason = (
-            f"column {self.text_column!r} is a single token: nothing to predict "
-            "(a causal LM row needs at least 2 tokens)"
-        )
-        problems = [problem_at(at, reason) for at in wheres]
+        problems = [problem_at(at, reasons[i]) for at, i in zip(wheres, bad, strict=True)]
         if not self.data_options.skip_bad_rows:
             raise DataError(problems)
         self.data_options.skipped.extend(problems)
-        keep = sorted(set(range(len(lengths))) - set(bad))
+        keep = sorted(set(range(len(reasons))) - set(bad))
         if not keep:
             raise DataError([*problems, problem_at(wheres[0].rsplit(" line ", 1)[0], "no rows")])
         return RowTable(
@@ -186,21 +302,24 @@ class CausalLMRecipe(Recipe):
         )
 
     def units(self, rows: Sequence[Row]) -> int:
-        return sum(len(self._token_ids(row)) - 1 for row in rows)
+        # the step's target tokens: labels that are not -100 after the shift (the guard's weight)
+        return sum(_target_count(*self._tokens(row)) for row in rows)
 
     def _summed_loss(self, rows: Sequence[Row]) -> tuple[torch.Tensor, int]:
         """Summed token cross-entropy of ``rows`` and its number of target tokens."""
-        sequences = [self._token_ids(row) for row in rows]
+        tokens = [self._tokens(row) for row in rows]
         # dynamic padding: the chunk's longest row, rounded up to the device's multiple
-        width = self.padded_width(max(len(ids) for ids in sequences))
+        width = self.padded_width(max(len(ids) for ids, _ in tokens))
         pad = self.tokenizer.pad_token_id
         input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, ids in enumerate(sequences):
+        # padding is no target by position, not by id: a real eos (packing) stays a target;
+        # prompts and non-assistant turns are none either (instruction rows' targets)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for i, (ids, mask) in enumerate(tokens):
             input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, : len(ids)] = 1
-        # padding is masked by position, not by id: a real eos (packing) stays a target
-        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            labels[i, : len(ids)] = torch.tensor(labels_of(ids, mask), dtype=torch.long)
         input_ids, attention_mask, labels = (
             self.on_device(t) for t in (input_ids, attention_mask, labels)
         )
@@ -220,7 +339,7 @@ class CausalLMRecipe(Recipe):
         self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
         summed, _ = self._summed_loss(rows)
-        # summed over tokens, divided by the step's tokens: chunks add up to the step's mean
+        # summed over target tokens, divided by the step's: chunks add up to the step's mean
         return summed / total_units
 
     # -- eval ----------------------------------------------------------------------------------
@@ -236,6 +355,11 @@ class CausalLMRecipe(Recipe):
     def save(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
+
+
+def _target_count(ids: list[int], targets: list[int] | None) -> int:
+    """A row's target tokens: every token but the first, or its targets but the first's."""
+    return len(ids) - 1 if targets is None else sum(targets[1:])
 
 
 def where_at(wheres: list[str], starts: list[int], offset: int) -> str:

@@ -6,13 +6,19 @@ folder is checked first (:mod:`memfit.models.folder`): a config that is not JSON
 architecture transformers does not know, no weights (training would start from random weights),
 weights cut short, no tokenizer files (transformers would fall back to an empty vocabulary), and
 weights whose shapes no longer fit the config are each one line naming ``--model`` and the file.
+
+A run that loads its model otherwise (QLoRA: quantized by bitsandbytes, straight onto its device)
+wraps the recipe's ``build`` in :func:`model_options`: every model (not tokenizer, not config)
+loaded inside takes those keywords too, so the recipes need not know of it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +28,31 @@ from memfit.models.folder import check_for_loader, mismatch_message
 T = TypeVar("T")
 
 FLAG = "--model"
+
+# the keywords every model load takes while :func:`model_options` is active
+_MODEL_OPTIONS: ContextVar[dict[str, Any] | None] = ContextVar("memfit_model_options", default=None)
+
+
+@contextmanager
+def model_options(options: dict[str, Any]) -> Iterator[None]:
+    """While active, :func:`load_pretrained` passes ``options`` to every model's
+    ``from_pretrained`` (an ``AutoModelFor…`` or a model class), and to nothing else."""
+    token = _MODEL_OPTIONS.set(dict(options))
+    try:
+        yield
+    finally:
+        _MODEL_OPTIONS.reset(token)
+
+
+def _loads_a_model(loader: Callable[..., Any]) -> bool:
+    """Whether ``loader`` is the ``from_pretrained`` of a transformers model class."""
+    owner = getattr(loader, "__self__", None)
+    if not isinstance(owner, type):
+        return False
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    return issubclass(owner, (PreTrainedModel, _BaseAutoModelClass))
 
 
 def offline() -> bool:
@@ -42,6 +73,15 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if offline():
         kwargs.setdefault("local_files_only", True)
+    options = _MODEL_OPTIONS.get()
+    if _loads_a_model(loader):
+        import torch
+
+        # fp32 master weights (mixed precision autocasts the matmuls): transformers 5 would load
+        # a checkpoint in its stored dtype, bfloat16 for today's decoders, and train in it
+        kwargs.setdefault("dtype", torch.float32)
+        if options:
+            kwargs = {**kwargs, **options}
     local = Path(model).expanduser().is_dir()
     if local:
         check_folder(loader, Path(model).expanduser())
