@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated
 
 import typer
@@ -57,6 +58,13 @@ def data_profile_command(
         str | None,
         typer.Option(help="Chat rows: messages rendered with the tokenizer's chat template."),
     ] = None,
+    skip_bad_rows: Annotated[
+        bool,
+        typer.Option(
+            "--skip-bad-rows",
+            help="Leave out the rows memfit train --skip-bad-rows leaves out (and count them).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes.
@@ -94,7 +102,10 @@ def data_profile_command(
             prompt_column=prompt_column,
             completion_column=completion_column,
             messages_column=messages_column,
+            skip_bad_rows=skip_bad_rows,
         )
+    if profile.skipped_rows:
+        sys.stderr.write(f"memfit: left out {profile.skipped_rows} bad rows (--skip-bad-rows)\n")
     if as_json:
         typer.echo(json.dumps(profile.to_dict(max_seq_len)))
     else:

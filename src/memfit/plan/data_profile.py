@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from memfit.data.rows import DataOptions
 from memfit.errors import UsageError
 
 # texts per tokenizer call: large enough for the fast tokenizer's parallelism, small in memory
@@ -58,6 +59,8 @@ class DataProfile:
     # how a row's columns make its sequence: "longest" (the longest text column),
     # "prompt + completion + eos", "chat template"
     rendering: str = "longest"
+    # bad rows left out (``skip_bad_rows``), as memfit train --skip-bad-rows leaves them out
+    skipped_rows: int = 0
 
     def __post_init__(self) -> None:
         lengths = np.asarray(self.lengths, dtype=np.int64).reshape(-1)
@@ -118,6 +121,7 @@ class DataProfile:
             "source": self.source,
             "text_columns": list(self.text_columns),
             "rendering": self.rendering,
+            "skipped_rows": self.skipped_rows,
             "tokenizer": self.tokenizer,
             "rows": self.rows,
             "tokens": {
@@ -176,11 +180,13 @@ class DataProfile:
         prompt_column: str | None = None,
         completion_column: str | None = None,
         messages_column: str | None = None,
+        skip_bad_rows: bool = False,
     ) -> DataProfile:
         """Profile ``path``: ``tokenizer`` is a local tokenizer folder (or a loaded tokenizer);
         ``flag`` names the input in error messages (``--train-file``, ``FILE``). With
         ``prompt_column``/``completion_column`` or ``messages_column`` the rows are instruction
-        rows, measured as rendered (``text_columns`` is then not read)."""
+        rows, measured as rendered (``text_columns`` is then not read). ``skip_bad_rows``: leave
+        out the rows memfit train --skip-bad-rows would leave out (counted in ``skipped_rows``)."""
         from memfit.data.instructions import InstructionColumns
 
         instruction = InstructionColumns(prompt_column, completion_column, messages_column)
@@ -188,7 +194,9 @@ class DataProfile:
         tok = tokenizer if not isinstance(tokenizer, (str, Path)) else load_tokenizer(tokenizer)
         name = name or _tokenizer_name(tok)
         if instruction.kind != "text":
-            lengths = _instruction_lengths(path, instruction, tok, flag, name)
+            lengths, skipped = _instruction_lengths(
+                path, instruction, tok, flag, name, skip_bad_rows
+            )
             rendering = "chat template" if instruction.messages else "prompt + completion + eos"
             return cls(
                 lengths,
@@ -196,12 +204,21 @@ class DataProfile:
                 text_columns=tuple(instruction.names),
                 tokenizer=name,
                 rendering=rendering,
+                skipped_rows=skipped,
             )
         columns = [c.strip() for c in text_columns if c.strip()]
         if not columns:
             raise UsageError("--text-column: give at least one column name")
-        lengths = np.concatenate(list(_lengths(_read(path, columns, flag), columns, tok)))
-        return cls(lengths, source=str(path), text_columns=tuple(columns), tokenizer=name)
+        options = DataOptions(skip_bad_rows=skip_bad_rows)
+        dataset = _read(path, columns, flag, options=options)
+        lengths = np.concatenate(list(_lengths(dataset, columns, tok)))
+        return cls(
+            lengths,
+            source=str(path),
+            text_columns=tuple(columns),
+            tokenizer=name,
+            skipped_rows=len(options.skipped),
+        )
 
 
 def _check_max_seq_len(max_seq_len: int | None) -> None:
@@ -210,7 +227,13 @@ def _check_max_seq_len(max_seq_len: int | None) -> None:
 
 
 def _read(
-    path: str | Path, columns: list[str], flag: str, kind: str = "text", *, where: bool = False
+    path: str | Path,
+    columns: list[str],
+    flag: str,
+    kind: str = "text",
+    *,
+    where: bool = False,
+    options: Any = None,
 ) -> Any:
     """The checked rows as a ``datasets.Dataset`` of the columns (and, with ``where``, of
     where each row is: ``WHERE``)."""
@@ -226,15 +249,16 @@ def _read(
                 folder = folder / "train"
         except (OSError, ValueError, AttributeError):
             pass  # read_rows reports the unreadable index
-    table = read_rows(folder, [Column(c, kind) for c in columns], flag=flag)
+    table = read_rows(folder, [Column(c, kind) for c in columns], flag=flag, options=options)
     return table.dataset.select_columns([*columns, WHERE] if where else columns)
 
 
 def _instruction_lengths(
-    path: str | Path, instruction: Any, tok: Any, flag: str, name: str
-) -> np.ndarray:
-    """Each instruction row's rendered length, untruncated; a row that cannot be rendered is
-    refused at its line (every such row at once)."""
+    path: str | Path, instruction: Any, tok: Any, flag: str, name: str, skip_bad_rows: bool
+) -> tuple[np.ndarray, int]:
+    """Each instruction row's rendered length, untruncated, and how many bad rows were left out;
+    a row that cannot be rendered is refused at its line (every such row at once), or left out
+    with ``skip_bad_rows``."""
     from memfit.data.instructions import (
         chat_template_problem,
         has_generation_markers,
@@ -250,7 +274,8 @@ def _instruction_lengths(
         if problem is not None:
             raise UsageError(problem)
     kind = "messages" if instruction.messages else "text"
-    dataset = _read(path, instruction.names, flag, kind, where=True)
+    options = DataOptions(skip_bad_rows=skip_bad_rows)
+    dataset = _read(path, instruction.names, flag, kind, where=True, options=options)
     markers = has_generation_markers(tok) if instruction.messages else False
     lengths: list[int] = []
     problems = []
@@ -267,10 +292,11 @@ def _instruction_lengths(
         for row, where in zip(rows, batch[WHERE], strict=True):
             if row.problem is not None:
                 problems.append(problem_at(where, row.problem))
-            lengths.append(len(row.ids))
-    if problems:
+            else:
+                lengths.append(len(row.ids))
+    if problems and not skip_bad_rows:
         raise DataError(problems)
-    return np.asarray(lengths, dtype=np.int64)
+    return np.asarray(lengths, dtype=np.int64), len(options.skipped) + len(problems)
 
 
 def _lengths(dataset: Any, columns: list[str], tok: Any) -> Iterator[np.ndarray]:

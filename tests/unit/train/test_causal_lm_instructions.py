@@ -389,6 +389,10 @@ def test_data_profile_measures_rendered_rows(llama_dir: str, tmp_path: Path) -> 
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CHATS[0]}, {"messages": []}])
     with pytest.raises(DataError, match=r"bad\.jsonl line 2: column 'messages' is not a list"):
         DataProfile.from_file(bad, [], llama_dir, messages_column="messages")
+    # --skip-bad-rows: the rows memfit train would keep, and how many were left out
+    kept = DataProfile.from_file(bad, [], llama_dir, messages_column="messages", skip_bad_rows=True)
+    assert kept.lengths.tolist() == profile.lengths.tolist()[:1]
+    assert kept.skipped_rows == 1 and kept.to_dict()["skipped_rows"] == 1
 
 
 def test_data_profile_cli(
