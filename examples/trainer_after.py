@@ -1,11 +1,17 @@
 """After: the same Trainer script under memfit's OOM guard; only the Trainer's import changed.
 
     python examples/trainer_after.py --model PATH_OR_NAME --output-dir runs/trainer-after
-    MEMFIT_MEMORY_CAP=SIZE python examples/trainer_after.py   # the same under a simulated memory cap
+    MEMFIT_MEMORY_CAP=560MiB python examples/trainer_after.py   # under a simulated memory cap
 
 An out-of-memory error inside a step now re-runs the step at a smaller micro-batch with the same
 gradient: the effective batch, the optimizer steps and (with dropout off) the weights are those of
 a run without OOM. What happened is in OUTPUT_DIR/memfit_events.jsonl.
+
+560 MiB is for the default model (all-MiniLM-L6-v2): memfit's estimate of a step at 8 rows ×
+128 tokens is 629 MiB, at 4 rows 489 MiB; the cap between them makes step 2 (the first with
+AdamW's state) run out of memory at 8 rows and go on at 4. Under about 347 MiB (weights,
+gradients and AdamW's two moments) no micro-batch fits the optimizer step: training stops there
+with a one-line NothingFitsError naming what helps.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from datasets import Dataset
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    DataCollatorWithPadding,
     TrainingArguments,
     set_seed,
 )
@@ -48,6 +53,14 @@ REVIEWS = [
     ("two hours i will never get back", 0),
     ("a crowd pleaser in the best sense", 1),
     ("the twist is obvious from the first scene", 0),
+    ("a quiet, patient film that earns every tear", 1),
+    ("the villain has no motive and the hero no charm", 0),
+    ("funny, fast and never once cynical", 1),
+    ("a reheated version of a film we have all seen", 0),
+    ("the cast clearly had a wonderful time and so did i", 1),
+    ("so dark you cannot see what is happening", 0),
+    ("a bold debut from a director to watch", 1),
+    ("the jokes are recycled and the songs forgettable", 0),
 ]
 
 
@@ -70,9 +83,16 @@ def main(argv: list[str] | None = None) -> Trainer:
     set_seed(0)  # before the model loads: the classification head starts from the seed
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     model = AutoModelForSequenceClassification.from_pretrained(options.model, num_labels=2)
+    # every review padded to 128 tokens, as the Trainer tutorial does: 8 rows × 128 tokens per
+    # micro-batch, 2 micro-batches per optimizer step, 2 steps per epoch
     data = Dataset.from_dict(
         {"text": [text for text, _ in REVIEWS], "label": [label for _, label in REVIEWS]}
-    ).map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=64), batched=True)
+    ).map(
+        lambda batch: tokenizer(
+            batch["text"], truncation=True, max_length=128, padding="max_length"
+        ),
+        batched=True,
+    )
 
     args = TrainingArguments(
         output_dir=options.output_dir,
@@ -84,14 +104,14 @@ def main(argv: list[str] | None = None) -> Trainer:
         report_to="none",
         save_strategy="no",
     )
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=DataCollatorWithPadding(tokenizer),
-    )
+    trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     trainer.save_model(f"{options.output_dir}/model")
+    print(
+        f"trained: {trainer.state.global_step} optimizer steps of "
+        f"{args.per_device_train_batch_size} rows × {args.gradient_accumulation_steps} "
+        f"micro-batches; the model is in {options.output_dir}/model"
+    )
     return trainer
 
 

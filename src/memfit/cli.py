@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -50,6 +51,53 @@ def _summary(verb: str) -> str:
     return ""
 
 
+def first_sentence(doc: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    paragraph = " ".join(doc.split("\n\n", 1)[0].split())
+    # a full stop followed by a space ends it (not the dot of ``report.html`` or ``e.g.``)
+    match = re.search(r"(?<!e\.g)(?<!i\.e)[.!?](?=\s)", paragraph)
+    return paragraph if match is None else paragraph[: match.end()]
+
+
+class _Verb(typer.core.TyperCommand):
+    """A verb (or a group's command) whose usage line names its arguments as click does:
+    ``MODEL``, ``[RUN_DIR]`` (typer writes a required one in braces)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                pieces.extend(param.get_usage_pieces(ctx))
+                continue
+            name = param.metavar or (param.name or "").upper()
+            pieces.append(
+                (name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else "")
+            )
+        return pieces
+
+
+def _house_style(command: Any) -> Any:
+    """``command`` (and a group's commands) in one help style: arguments named in capitals
+    (``MODEL``, ``RUN_DIR``) in the usage line and the argument list, every default shown as
+    ``[default: …]`` (a default described in words, ``show_default="cuda if present"``, too:
+    click would put it in parentheses), and a group's listing of its commands with each one's
+    whole first sentence."""
+    for param in command.params:
+        if param.param_type_name == "argument" and param.metavar is None:
+            param.metavar = (param.name or "").upper()
+        shown = getattr(param, "show_default", None)
+        if isinstance(shown, str):
+            param.help = f"{param.help or ''}  [default: {shown}]".strip()
+            param.show_default = False
+    if type(command) is typer.core.TyperCommand:
+        command.__class__ = _Verb  # the same object, with the usage line above
+    for sub in getattr(command, "commands", {}).values():
+        if sub.short_help is None and sub.help:
+            sub.short_help = first_sentence(sub.help)
+        _house_style(sub)
+    return command
+
+
 class _Verbs(typer.core.TyperGroup):
     """The program's verbs: a verb's module is imported when that verb runs or shows its help."""
 
@@ -72,16 +120,12 @@ class _Verbs(typer.core.TyperGroup):
                 command = typer.main.get_command_from_info(
                     info, pretty_exceptions_short=app.pretty_exceptions_short, rich_markup_mode=None
                 )
-            self.commands[cmd_name] = command
+            self.commands[cmd_name] = _house_style(command)
         return self.commands[cmd_name]
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
-        # each verb's first line, as click shortens a command's help, from the source
-        limit = formatter.width - 6 - max(len(verb) for verb in VERBS)
-        rows = [
-            (verb, typer.core.TyperCommand(verb, help=_summary(verb)).get_short_help_str(limit))
-            for verb in VERBS
-        ]
+        # each verb's first sentence, whole (wrapped, never cut), from the source
+        rows = [(verb, first_sentence(_summary(verb))) for verb in VERBS]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
@@ -132,7 +176,8 @@ def _usage_message(exc: Any) -> str:
     param = getattr(exc, "param", None)
     if param is not None and getattr(param, "opts", None):
         flag = max(param.opts, key=len)
-        if flag not in message:
+        # (an argument is named in capitals: MODEL)
+        if flag.lower() not in message.lower():
             message = f"{flag}: {message}"
     return message
 
@@ -205,6 +250,17 @@ def _main(argv: list[str] | None = None) -> Any:
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
+    except ModuleNotFoundError as exc:
+        from memfit.extras import missing_module_line
+
+        # the last resort for an optional package that a verb's own checks did not name first
+        # (memfit.extras): which extra installs it, exit 2. Any other missing module is a bug
+        args = sys.argv[1:] if argv is None else argv
+        verb = next((a for a in args if not a.startswith("-")), "")
+        line = missing_module_line(exc, f"memfit {verb}".strip())
+        if line is None:
+            raise
+        _fail(line, 2)
     except OSError as exc:
         from memfit.paths import is_user_os_error, os_error_line
 

@@ -67,3 +67,22 @@ def format_bytes(num_bytes: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def size_arg(num_bytes: int) -> str:
+    """A size as a command-line argument: ``14.73GiB``, ``512MiB``, ``1000`` (bytes).
+
+    For the commands memfit prints (``--gpu-memory``, ``--memory-cap``): two decimals of the
+    largest binary unit, rounded down, so that :func:`parse_size` reads back no more than
+    ``num_bytes`` (a budget must not grow by being printed), and at most 1% of a unit less.
+    """
+    num_bytes = int(num_bytes)
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= factor:
+            hundredths = num_bytes * 100 // factor
+            while hundredths > 0:
+                text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
+                if parse_size(f"{text}{unit}") <= num_bytes:
+                    return f"{text}{unit}"
+                hundredths -= 1  # float rounding in parse_size went above: one step down
+    return str(num_bytes)

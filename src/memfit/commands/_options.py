@@ -38,18 +38,26 @@ def field_parameter(
     *,
     help: str | None = None,
     default: Any = dataclasses.MISSING,
+    shown_default: str | None = None,
 ) -> inspect.Parameter:
     """The typer option of dataclass field ``f``: its flag, ``annotation`` (the CLI's type), help
     (the field's metadata, unless ``help``) and default (the field's, unless ``default``; none:
     a required flag). A boolean is a ``--name/--no-name`` pair if its metadata says
-    ``negatable`` (or says nothing and it may be None), else ``--name`` alone."""
+    ``negatable`` (or says nothing and it may be None), else ``--name`` alone.
+
+    ``shown_default``: the default the help shows (``[default: …]``) where the flag's own is
+    None (not given) and the field's default is decided later."""
     flag = flag_of(f)
     if annotation is bool or annotation == bool | None:
         negatable = f.metadata.get("negatable", annotation is not bool)
         declaration = f"{flag}/--no-{flag.removeprefix('--')}" if negatable else flag
     else:
         declaration = flag
-    option = typer.Option(declaration, help=help or f.metadata["help"])
+    option = typer.Option(
+        declaration,
+        help=help or f.metadata["help"],
+        show_default=True if shown_default is None else shown_default,
+    )
     if default is dataclasses.MISSING:
         default = f.default
     return inspect.Parameter(
@@ -119,27 +127,28 @@ File = Annotated[
 ]
 TextColumn = Annotated[str, Opt(help="The column with the text.")]
 IdColumn = Annotated[
-    str | None, Opt(help="Copied to the output beside each row (default: id, when present).")
+    str | None, Opt(help="Copied to the output beside each row.", show_default="id, when present")
 ]
 BatchSize = Annotated[
     int | None, Opt(help="Start at this batch instead of the planned one (still guarded).")
 ]
 GpuMemory = Annotated[
-    str | None, Opt(help="Plan the batch for this budget (default: the GPU's free memory).")
+    str | None, Opt(help="Plan the batch for this budget.", show_default="the GPU's free memory")
 ]
 MemoryCap = Annotated[
     str | None, Opt(help="Behave as if the device had only this much memory (e.g. 2GiB).")
 ]
-Device = Annotated[str | None, Opt(help="cuda | cpu (default: cuda if present).")]
+Device = Annotated[str | None, Opt(help="cuda | cpu", show_default="cuda if present")]
 MaxSeqLen = Annotated[
-    int | None, Opt(help="Truncate rows to this many tokens (default: the model's limit).")
+    int | None, Opt(help="Truncate rows to this many tokens.", show_default="the model's limit")
 ]
 Precision = Annotated[str, Opt(help="fp32 | bf16 | fp16 (autocast).")]
 Events = Annotated[
     str | None, Opt(help="Write plan/oom/backoff/done events to this file (JSON Lines).")
 ]
 CacheDir = Annotated[
-    str | None, Opt(help="Where the data reader caches Arrow files (default: datasets').")
+    str | None,
+    Opt(help="Where the data reader caches Arrow files.", show_default="the datasets cache"),
 ]
 
 

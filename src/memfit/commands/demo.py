@@ -12,13 +12,18 @@ import typer
 
 from memfit import progress
 from memfit.commands._options import train_setup_status
+from memfit.errors import UsageError
+from memfit.extras import DEMO, verb_problem
 from memfit.report.console import print_estimate, print_plan
 from memfit.report.html import write_report
-from memfit.units import format_bytes
+from memfit.units import format_bytes, parse_size, size_arg
 
 
 def demo_command() -> None:
     """Estimate a known fine-tuning job (bert-base-uncased on a 16 GiB GPU), then plan it into 4 GiB."""
+    # its training step's packages, before the estimate and the plan take their seconds
+    if problem := verb_problem("memfit demo", DEMO, "demo"):
+        raise UsageError(problem)
     typer.echo(
         "memfit demo: fine-tuning bert-base-uncased for classification, batch 32 × 128 tokens, AdamW, fp32"
     )
@@ -71,79 +76,94 @@ def demo_command() -> None:
             gpu_memory="4GiB",
         )
     print_plan(planned)
-    _demo_train()
+    demo_training()
 
 
-def _demo_train() -> None:
-    """Fine-tune all-MiniLM-L6-v2 under a memory cap that makes the first step run out of memory."""
+def demo_training() -> None:
+    """Fine-tune all-MiniLM-L6-v2 under a memory cap that makes a step run out of memory; the
+    held-out retrieval metrics before and after."""
     from memfit.train import TrainConfig, train
-    from memfit.train.demo import minilm_path, write_pairs
+    from memfit.train.demo import (
+        BATCH,
+        TRAIN_KNOBS,
+        before_after,
+        held_out_line,
+        held_out_metrics,
+        minilm_path,
+        write_pairs,
+    )
 
     model = minilm_path()
     folder = Path(tempfile.mkdtemp(prefix="memfit-demo-"))
     train_file, eval_file = write_pairs(folder)
+    knobs = {**TRAIN_KNOBS, "model": model, "train_file": str(train_file)}
 
-    def peak(name: str, **knobs: Any) -> int:
+    def probe(name: str, **extra: Any) -> list[dict[str, Any]]:
         # two steps (the second holds the AdamW state) with a cap that never bites: live bytes
-        probe = train(
+        # by phase, one metrics line a step
+        run = train(
             TrainConfig(
-                task="sentence-embedding",
-                model=model,
-                train_file=str(train_file),
+                **knobs,
                 output_dir=str(folder / name),
-                effective_batch_size=32,
                 max_steps=2,
                 memory_cap=1 << 40,
-                max_seq_len=32,
-                device="cpu",
                 quiet=True,
-                **knobs,
+                **extra,
             )
         )
-        lines = (probe.output_dir / "metrics.jsonl").read_text().splitlines()
-        return max(int(json.loads(x)["peak_bytes"]) for x in lines)
+        lines = (run.output_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x) for x in lines]
 
     typer.echo("\nMeasuring what a training step of all-MiniLM-L6-v2 holds (two probe steps)…")
-    with progress.status("two probe steps of all-MiniLM-L6-v2, batch 32", subject="memfit demo"):
-        whole = peak("probe-32")
+    with progress.status(
+        f"two probe steps of all-MiniLM-L6-v2, batch {BATCH}", subject="memfit demo"
+    ):
+        whole = probe(f"probe-{BATCH}")
         progress.report("two probe steps of all-MiniLM-L6-v2, mini-batches of 4")
-        cap = (whole + peak("probe-4", mini_batch_size=4)) // 2
-    typer.echo(
-        "Now a real fine-tuning run: all-MiniLM-L6-v2 (sentence-transformers, MNRL) on 36 embedded "
-        f"paraphrase pairs, batch 32, on the CPU capped at {format_bytes(cap)} — less than the whole "
-        "batch needs, so the guard must recover from a real out-of-memory error:"
+        small = probe("probe-4", mini_batch_size=4)
+    # above what mini-batches of 4 and every optimizer step hold (no micro-batch makes those
+    # smaller), below the whole batch's forward and backward: halfway between
+    needed = max(
+        *(m["peak_bytes"] for m in small), *(m.get("optimizer_peak_bytes", 0) for m in whole)
     )
+    whole_batch = max(
+        max(m.get("forward_peak_bytes", 0), m.get("backward_peak_bytes", 0)) for m in whole
+    )
+    # written as the command prints it (rounded down): the printed command is the run
+    cap_arg = size_arg((needed + max(whole_batch, needed)) // 2)
+    cap = parse_size(cap_arg, name="--memory-cap")
+    train_rows = len(train_file.read_text(encoding="utf-8").splitlines())
+    eval_rows = len(eval_file.read_text(encoding="utf-8").splitlines())
+    typer.echo(
+        "Now a real fine-tuning run: all-MiniLM-L6-v2 (an English sentence-transformers model, MNRL "
+        f"loss) learns to match Spanish questions to English guides from {train_rows} embedded "
+        f"pairs, batch {BATCH}, on the CPU capped at {format_bytes(cap)} — less than the whole "
+        "batch needs, so the guard must recover from a real out-of-memory error. The eval set "
+        f"holds {eval_rows} questions about requests no training pair holds; before training:"
+    )
+    with progress.status("loading all-MiniLM-L6-v2, embedding the eval set", subject="memfit demo"):
+        before = held_out_metrics(model, eval_file)
+    typer.echo(f"untrained: held-out {held_out_line(before)}")
     out = folder / "run"
     typer.echo(
         f"$ memfit train --task sentence-embedding --model {model} --train-file {train_file} "
-        f"--eval-file {eval_file} --effective-batch-size 32 --max-steps 4 --memory-cap {cap} "
-        f"--max-seq-len 32 --lr 2e-5 --device cpu --output-dir {out}"
+        f"--eval-file {eval_file} --effective-batch-size {BATCH} --epochs {knobs['epochs']} "
+        f"--memory-cap {cap_arg} --max-seq-len {knobs['max_seq_len']} --lr {knobs['lr']:g} "
+        f"--device cpu --output-dir {out}"
     )
     with train_setup_status(
         "loading all-MiniLM-L6-v2, tokenizing the pairs", subject="memfit demo"
     ):
         result = train(
-            TrainConfig(
-                task="sentence-embedding",
-                model=model,
-                train_file=str(train_file),
-                eval_file=str(eval_file),
-                output_dir=str(out),
-                effective_batch_size=32,
-                max_steps=4,
-                memory_cap=cap,
-                max_seq_len=32,
-                lr=2e-5,
-                device="cpu",
-            )
+            TrainConfig(**knobs, eval_file=str(eval_file), output_dir=str(out), memory_cap=cap)
         )
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     ooms = sum(e["type"] == "oom" for e in events)
-    metrics = "  ".join(f"{k} {v:.3f}" for k, v in result.eval_metrics.items())
     typer.echo(
         f"done: {result.steps} steps, {result.samples_seen} samples seen (none lost or repeated), "
-        f"{ooms} out-of-memory error(s) survived; eval {metrics}"
+        f"{ooms} out-of-memory error(s) survived"
     )
+    typer.echo(f"held-out {before_after(before, result.eval_metrics)}")
     typer.echo(f"run folder: {out} (model/, metrics.jsonl, events.jsonl, run.json)")
     typer.echo(f"\n$ memfit report {out}")
     with progress.status(

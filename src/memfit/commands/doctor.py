@@ -43,6 +43,7 @@ def doctor_command(
     ] = False,
     num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
     loss: Annotated[str | None, typer.Option(help="sentence-embedding loss.")] = None,
+    mini_batch_size: int | None = KNOB,
     lora_rank: Annotated[int | None, typer.Option(help="The job trains LoRA adapters.")] = None,
     quantization: str | None = KNOB,
     double_quant: bool | None = KNOB,
@@ -77,10 +78,14 @@ def doctor_command(
         knobs = doctor.failed_job(
             model=model, task=task, batch_size=batch_size, seq_len=seq_len, precision=precision,
             gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
-            num_labels=num_labels, loss=loss, lora_rank=lora_rank,
+            num_labels=num_labels, loss=loss, mini_batch_size=mini_batch_size,
+            lora_rank=lora_rank,
             quantization=quantization, double_quant=double_quant,
             gradient_accumulation_steps=gradient_accumulation_steps,
         )  # fmt: skip
+        problems = knobs.problems()
+        if problems:
+            raise UsageError("; ".join(problems))
     # pricing the fixes runs memfit estimate (torch, traces: seconds), as a run folder's does;
     # reading a message alone is instant and shows no status line
     pricing = (

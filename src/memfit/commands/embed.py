@@ -39,7 +39,7 @@ def embed_command(
     max_seq_len: MaxSeqLen = None,
     precision: Precision = "fp32",
     prompt_name: Annotated[
-        str | None, Opt(help="A prompt of the model's prompts (default: its default prompt).")
+        str | None, Opt(help="A prompt of the model's prompts.", show_default="its default prompt")
     ] = None,
     normalize: Annotated[bool, Opt("--normalize", help="Unit-length embeddings.")] = False,
     events: Events = None,

@@ -12,6 +12,7 @@ import typer
 from memfit import progress
 from memfit.commands._options import KNOB, TraceDepth, job_knobs
 from memfit.errors import UsageError
+from memfit.extras import is_installed, missing_line
 from memfit.report.console import print_estimate
 from memfit.units import format_bytes
 
@@ -54,6 +55,20 @@ def _quantization_line(details: dict[str, Any]) -> str | None:
     )
 
 
+def _gpu_lines(details: dict[str, Any], device: str) -> list[str]:
+    """What the ``--gpu`` card's generation runs (``details["gpu"]``) and what to know about it."""
+    info = details.get("gpu")
+    if not isinstance(info, dict) or device != "cuda":
+        return []
+    kernels = list(info.get("attention_kernels") or ())
+    sm = str(info.get("compute_capability", "")).replace(".", "")
+    missing = "" if "flash" in kernels else " (no flash attention before sm80)"
+    lines = [f"attention kernels on the {info['name']} (sm{sm}): {', '.join(kernels)}{missing}"]
+    if info.get("support_note"):
+        lines.append(f"note: {info['support_note']}")
+    return lines
+
+
 def _paged_line(details: dict[str, Any], optimizer: str, device: str) -> str | None:
     """One line on a paged optimizer's state (``details["paged_optimizer_state_bytes"]``)."""
     paged = details.get("paged_optimizer_state_bytes")
@@ -85,7 +100,8 @@ def estimate_command(
     loss: Annotated[
         str | None,
         typer.Option(
-            help="sentence-embedding: mnrl (default) | cached-mnrl | cosent | cosine | softmax"
+            help="sentence-embedding: mnrl | cached-mnrl | cosent | cosine | softmax",
+            show_default="mnrl",
         ),
     ] = None,
     precision: Annotated[
@@ -107,7 +123,7 @@ def estimate_command(
     ] = None,
     mini_batch_size: Annotated[
         int | None,
-        typer.Option(help="--loss cached-mnrl: rows embedded at once (default 32)."),
+        typer.Option(help="--loss cached-mnrl: rows embedded at once.", show_default="32"),
     ] = None,
     lora_rank: Annotated[
         int | None, typer.Option(help="Train LoRA adapters of this rank (peft) instead.")
@@ -196,6 +212,8 @@ def estimate_command(
         for line in lines:
             if line is not None:
                 typer.echo(line)
+        for line in _gpu_lines(result.details, device):
+            typer.echo(line)
     if plot is not None:
         title = f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}"
         _draw(result, plot, title, subject=f"memfit estimate {model}")
@@ -209,6 +227,8 @@ def _check_plot(plot: str) -> None:
         raise UsageError(f"--plot: {plot} must end in .png, .svg or .pdf")
     if not Path(plot).parent.is_dir():
         raise UsageError(f"--plot: the folder {Path(plot).parent} does not exist")
+    if not is_installed("matplotlib"):
+        raise UsageError(missing_line("matplotlib", "--plot"))
 
 
 def _draw(result: Any, plot: str, title: str, *, subject: str) -> None:

@@ -1,4 +1,4 @@
-"""``memfit models``: the models memfit knows offline (:func:`memfit.models.registry_names`)."""
+"""``memfit models``: the models memfit knows offline (:func:`memfit.models.catalog.listing`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from memfit import progress
+from memfit.models.catalog import listing
 
 _HEADER = {
     "name": "NAME",
@@ -20,25 +21,16 @@ _HEADER = {
 def models_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list.")] = False,
 ) -> None:
-    """List the models memfit knows offline (architecture configs only, no weights), each with
-    the parameter count of its checkpoint, counted from the architecture."""
-    rows: list[dict[str, Any]] = []
-    # transformers' config and model classes load first (seconds)
-    with progress.status("loading transformers", subject="memfit models"):
-        from memfit.models import parameter_count, registry_names, resolve_model
+    """List the models memfit knows offline, with their parameter counts.
 
-        names = registry_names()
-        for k, name in enumerate(names, 1):
-            progress.report(f"counting the parameters of {name} ({k} of {len(names)})")
-            spec = resolve_model(name)
-            rows.append(
-                {
-                    "name": name,
-                    "model_type": spec.config.model_type,
-                    "max_positions": spec.max_positions,
-                    "parameters": parameter_count(spec),
-                }
-            )
+    Architecture configs only, no weights: each count is the checkpoint's, counted from its
+    architecture (stored beside the configs, recounted for a config that changed since).
+    """
+    with progress.status("reading the registry", subject="memfit models"):
+        rows: list[dict[str, Any]] = listing(
+            # an entry without a stored count: transformers builds it on the meta device (seconds)
+            on_compute=lambda name: progress.report(f"counting the parameters of {name}")
+        )
     if as_json:
         typer.echo(json.dumps(rows))
         return

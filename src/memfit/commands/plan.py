@@ -34,7 +34,8 @@ def plan_command(
     seq_len: Annotated[
         int | None,
         typer.Option(
-            help="Tokens per sample (padded length); with --train-file, default: its longest sample."
+            help="Tokens per sample (padded length).",
+            show_default="with --train-file, its longest sample",
         ),
     ] = None,
     gpu_memory: Annotated[
@@ -44,11 +45,13 @@ def plan_command(
         str | None, typer.Option(help="A catalog GPU (memfit gpus): its memory and speed.")
     ] = None,
     precision: Annotated[
-        str | None, typer.Option(help="Pin fp32 | fp16 | bf16 (default: the plan chooses).")
+        str | None, typer.Option(help="Pin fp32 | fp16 | bf16.", show_default="the plan chooses")
     ] = None,
     loss: Annotated[
         str | None,
-        typer.Option(help="sentence-embedding: mnrl (default) | cosent | cosine | softmax"),
+        typer.Option(
+            help="sentence-embedding: mnrl | cosent | cosine | softmax", show_default="mnrl"
+        ),
     ] = None,
     num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
     world_size: Annotated[
@@ -79,7 +82,9 @@ def plan_command(
     ] = "text",
     tokenizer: Annotated[
         str | None,
-        typer.Option(help="A local tokenizer folder for --train-file (default: MODEL's folder)."),
+        typer.Option(
+            help="A local tokenizer folder for --train-file.", show_default="MODEL's folder"
+        ),
     ] = None,
     prompt_column: Annotated[
         str | None,
@@ -183,8 +188,11 @@ def plan_command(
         if write_config is not None and result.chosen is not None:
             typer.echo(f"wrote {write_config}")
     if not result.fits:
+        where = result.budget_words()
         if write_config is not None:
-            sys.stderr.write(f"memfit: nothing fits: {write_config} not written\n")
+            sys.stderr.write(f"memfit: nothing fits in {where}: {write_config} not written\n")
+        elif as_json:  # stdout holds the JSON: the verdict goes to stderr
+            sys.stderr.write(f"memfit: nothing fits in {where}\n")
         raise typer.Exit(3)
 
 

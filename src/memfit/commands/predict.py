@@ -30,7 +30,7 @@ def predict_command(
     file: File,
     output: Annotated[str, Opt(help="OUT.jsonl: one line per input row, in input order.")],
     task: Annotated[
-        str | None, Opt(help="classification | causal-lm (default: read from MODEL_DIR).")
+        str | None, Opt(help="classification | causal-lm", show_default="read from MODEL_DIR")
     ] = None,
     text_column: TextColumn = "text",
     text_pair_column: Annotated[

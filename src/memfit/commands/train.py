@@ -19,7 +19,7 @@ from memfit.errors import UsageError
 from memfit.job import JOB_FIELDS, flag_of, parse_target_modules
 from memfit.paths import check_writable_dir
 from memfit.runtime import launched_world_size
-from memfit.train.config import INHERITED_HELP, TrainConfig
+from memfit.train.config import INHERITED_HELP, SHOWN_DEFAULTS, TrainConfig
 from memfit.train.sagemaker import environment_settings, publish_model
 from memfit.units import parse_size
 
@@ -69,21 +69,108 @@ def _switch(f: dataclasses.Field[Any]) -> bool:
     return f.metadata.get("negatable") is False
 
 
+def _shown_default(f: dataclasses.Field[Any]) -> str | None:
+    """The default memfit train's help shows for field ``f``: the run's (the flag's own is None,
+    so that a config file's value stands); None: none to show."""
+    if f.name in SHOWN_DEFAULTS:
+        return SHOWN_DEFAULTS[f.name]
+    if f.default is None or f.default is dataclasses.MISSING or _switch(f):
+        return None
+    if isinstance(f.default, bool):  # --packing/--no-packing: the one that holds, as click shows
+        name = flag_of(f).removeprefix("--")
+        return name if f.default else f"no-{name}"
+    return str(f.default)
+
+
+def _help(f: dataclasses.Field[Any]) -> str | None:
+    """Field ``f``'s help line in memfit train (None: the field's own), its aliases named."""
+    help = _job_help(f) if f.name in JOB_FIELDS else None
+    aliases = [alias for alias, name in HF_ALIASES.items() if name == f.name]
+    aliases += list(PRECISION_SWITCHES) if f.name == "precision" else []
+    if not aliases:
+        return help
+    label = "Alias" if len(aliases) == 1 else "Aliases"
+    return f"{help or f.metadata['help']} {label}: {', '.join(aliases)}."
+
+
 def _parameter(f: dataclasses.Field[Any], hint: Any) -> inspect.Parameter:
     """The flag of field ``f``: None (not given) by default, so that a config file's value
     stands; a switch is False, and --resume (this invocation's, not the file's) shows it."""
-    help = _job_help(f) if f.name in JOB_FIELDS else None
+    help = _help(f)
     if _switch(f) or f.name == "resume":
         return field_parameter(f, bool, help=help, default=False)
     kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     kind = kinds[0] if len(kinds) == 1 else hint
     if f.metadata.get("size") or typing.get_origin(kind) is list:
         kind = str  # 16GiB; a, b (comma-separated)
-    return field_parameter(f, kind | None, help=help, default=None)
+    return field_parameter(f, kind | None, help=help, default=None, shown_default=_shown_default(f))
+
+
+# Hugging Face TrainingArguments' spellings of memfit train's flags, typed from habit: alias →
+# field. --gradient-accumulation-steps is spelled the same; --bf16/--fp16 set --precision.
+HF_ALIASES: dict[str, str] = {
+    "--learning-rate": "lr",
+    "--num-train-epochs": "epochs",
+    "--per-device-train-batch-size": "micro_batch_size",
+    "--save-steps": "save_every",
+    "--eval-steps": "eval_every",
+}
+PRECISION_SWITCHES: dict[str, str] = {"--bf16": "bf16", "--fp16": "fp16"}
+
+
+def _alias_name(alias: str) -> str:
+    """The keyword an alias flag reaches train_command under (``--save-steps``: alias_save_steps)."""
+    return "alias_" + alias.removeprefix("--").replace("-", "_")
+
+
+def _alias_parameters() -> list[inspect.Parameter]:
+    """The aliases as flags of their own, left out of the help (the flag's help names them)."""
+    parameters: list[tuple[str, Any, bool | None]] = []
+    for alias, name in HF_ALIASES.items():
+        hint = _HINTS[name]
+        kind = float if float in (hint, *typing.get_args(hint)) else int
+        option = typer.Option(alias, hidden=True, show_default=False)
+        parameters.append((_alias_name(alias), Annotated[kind | None, option], None))
+    for switch in PRECISION_SWITCHES:
+        option = typer.Option(switch, hidden=True, show_default=False)
+        parameters.append((_alias_name(switch), Annotated[bool, option], False))
+    return [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d)
+        for n, a, d in parameters
+    ]
+
+
+def _with_aliases(knobs: dict[str, Any], given: dict[str, Any]) -> None:
+    """Fold the aliases given into ``given`` (field → value); an alias and its flag (or two
+    precision switches) that disagree are refused, naming both."""
+    by_name = {f.name: f for f in FLAG_FIELDS}
+    for alias, name in HF_ALIASES.items():
+        value = knobs.get(_alias_name(alias))
+        if value is None:
+            continue
+        flag = flag_of(by_name[name])
+        if name in given and given[name] != value:
+            raise UsageError(
+                f"{alias} {value} and {flag} {given[name]} disagree ({alias} is another name "
+                f"for {flag}): give one of them"
+            )
+        given[name] = value
+    switches = [s for s in PRECISION_SWITCHES if knobs.get(_alias_name(s))]
+    if len(switches) > 1:
+        raise UsageError(f"{' and '.join(switches)} disagree: give one of them (or --precision)")
+    if switches:
+        precision = PRECISION_SWITCHES[switches[0]]
+        if given.get("precision", precision) != precision:
+            raise UsageError(
+                f"{switches[0]} and --precision {given['precision']} disagree ({switches[0]} is "
+                f"--precision {precision}): give one of them"
+            )
+        given["precision"] = precision
 
 
 def _given(knobs: dict[str, Any]) -> dict[str, Any]:
-    """The flags given on the command line, as TrainConfig's values (sizes in bytes, lists)."""
+    """The flags given on the command line (aliases folded in), as TrainConfig's values (sizes
+    in bytes, lists)."""
     given: dict[str, Any] = {}
     for f in FLAG_FIELDS:
         value = knobs[f.name]
@@ -94,6 +181,7 @@ def _given(knobs: dict[str, Any]) -> dict[str, Any]:
         elif f.metadata.get("comma_list"):
             value = [x.strip() for x in value.split(",")]
         given[f.name] = value
+    _with_aliases(knobs, given)
     for f in FLAG_FIELDS:
         if f.metadata.get("size") and f.name in given:
             given[f.name] = parse_size(given[f.name], name=flag_of(f))
@@ -247,5 +335,6 @@ with_parameters(
             "config", inspect.Parameter.KEYWORD_ONLY, annotation=ConfigFile, default=None
         ),
         *(_parameter(f, _HINTS[f.name]) for f in FLAG_FIELDS),
+        *_alias_parameters(),
     ],
 )

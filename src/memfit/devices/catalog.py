@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from memfit.devices.profiles import attention_kernels
 from memfit.errors import UsageError
 
 
@@ -31,6 +32,41 @@ class Gpu:
     sm_count: int
     compute_capability: tuple[int, int]
     aliases: tuple[str, ...] = ()
+    # what a user of this GPU should know (a PyTorch that no longer runs on it), or empty
+    support_note: str = ""
+
+    @property
+    def short_name(self) -> str:
+        """The name people say: ``T4``, ``RTX 3060 12GB``, ``A100 40GB`` (vendor, brand and the
+        parenthesised form factor left out)."""
+        name = self.name.split(" (")[0]
+        for prefix in ("NVIDIA ", "GeForce ", "Tesla "):
+            name = name.removeprefix(prefix)
+        return name
+
+    @property
+    def possessive(self) -> str:
+        """``a T4's``, ``an RTX 3060 12GB's``: for verdicts such as "fits in a T4's 14.56 GiB"."""
+        return f"{_article(self.short_name)} {self.short_name}'s"
+
+    @property
+    def capability(self) -> str:
+        """``sm75`` for compute capability 7.5."""
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    @property
+    def attention_kernels(self) -> tuple[str, ...]:
+        """The SDPA kernels PyTorch runs on it, best first (no flash attention before sm80)."""
+        return attention_kernels(self.compute_capability)
+
+    def precision_problem(self, precision: str, flag: str = "--precision") -> str | None:
+        """Why ``precision`` cannot train on this GPU (bf16 before sm80), or None."""
+        if precision == "bf16" and not self.bf16:
+            return (
+                f"{flag} bf16: the {self.short_name} ({self.capability}) has no bf16 (it needs "
+                "compute capability 8.0 or later); use --precision fp16"
+            )
+        return None
 
     def flops_per_second(self, precision: str) -> float:
         """Peak FLOP/s for matmuls in ``precision`` (fp32 | fp16 | bf16)."""
@@ -67,8 +103,15 @@ def catalog() -> dict[str, Gpu]:
             sm_count=int(entry["sm_count"]),
             compute_capability=(major, minor),
             aliases=tuple(entry.get("aliases", ())),
+            support_note=str(entry.get("support_note", "")),
         )
     return dict(sorted(gpus.items(), key=lambda kv: (kv[1].memory_bytes, kv[0])))
+
+
+def _article(name: str) -> str:
+    """``a`` or ``an`` as the name is said aloud: an A100, an H100, an L4, an RTX 3060, a T4."""
+    first = name[:1].upper()
+    return "an" if first in "AEFHILMNORSX8" or name.startswith(("11", "18")) else "a"
 
 
 def _key(name: str) -> str:

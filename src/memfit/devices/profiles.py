@@ -56,6 +56,27 @@ class CudaProfile:
         return context
 
 
+def attention_kernels(capability: tuple[int, int]) -> tuple[str, ...]:
+    """The SDPA kernels PyTorch has for a compute capability, best first (sdp_utils.cpp
+    check_flash_attention_hardware_support: sm80-121; check_mem_efficient_hardware_support:
+    sm50-121; the math path everywhere)."""
+    sm = capability[0] * 10 + capability[1]
+    kernels = []
+    if 80 <= sm <= 121:
+        kernels.append("flash")
+    if 50 <= sm <= 121:
+        kernels.append("mem-efficient")
+    return (*kernels, "math")
+
+
+def sdpa_sm(capability: tuple[int, int]) -> int:
+    """The SM version whose attention kernels an estimate emulates (``StepSpec.sdpa_sm``): every
+    sm80+ GPU as an sm80 one (the same flash and memory-efficient kernels; the sm86/89 head-dim
+    limits of flash backward above 192 are not told apart), older ones as themselves."""
+    sm = capability[0] * 10 + capability[1]
+    return min(sm, 80)
+
+
 def cuda_profile(
     capability: tuple[int, int] | None = None, torch_version: str | None = None
 ) -> CudaProfile:

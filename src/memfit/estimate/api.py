@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from memfit.devices.catalog import find_gpu
-from memfit.devices.profiles import CudaProfile, cuda_profile
+from memfit.devices.catalog import Gpu, find_gpu
+from memfit.devices.profiles import CudaProfile, cuda_profile, sdpa_sm
 from memfit.errors import UsageError
 from memfit.estimate import traces
 from memfit.estimate.attention import attention_run
@@ -25,6 +25,7 @@ from memfit.estimate.sharding import layout as sharding_layout
 from memfit.estimate.trace import CATEGORIES
 from memfit.estimate.traces import NotTraced, Traced, hidden_size
 from memfit.estimate.workload import StepSpec
+from memfit.extras import problems as missing_packages
 from memfit.job import (
     DEFAULT_LOSS,
     DEFAULT_MINI_BATCH_SIZE,
@@ -248,6 +249,10 @@ def estimate(
     spec = StepSpec(
         **{**checked.spec.__dict__, "gradient_checkpointing": bool(gradient_checkpointing)}
     )
+    card = checked.card
+    if card is not None and spec.device == "cuda":
+        # the attention kernels of the GPU's generation: no flash attention before sm80
+        spec = dataclasses.replace(spec, sdpa_sm=sdpa_sm(card.compute_capability))
     # the attention transformers runs: eager where the architecture has no SDPA (Gemma-2,
     # DeBERTa-v2, MPNet); a UsageError where it has no FlashAttention or no head for the task
     spec = dataclasses.replace(spec, attn_implementation=attention_run(model_spec.config, spec))
@@ -281,6 +286,8 @@ def estimate(
     if traced.changed():
         traces.save_traces()
     details |= _sharding_details(traced, sharding, world)
+    if card is not None:
+        details["gpu"] = _gpu_details(card, checked.budget_from_gpu)
     total, budget = peak.total_bytes, checked.budget
     return Estimate(
         total_bytes=total,
@@ -304,6 +311,8 @@ class _Checked(NamedTuple):
     budget: int | None
     profile: CudaProfile | None
     seq_len: int  # cut to max_seq_len
+    card: Gpu | None = None  # the --gpu card
+    budget_from_gpu: bool = False  # the budget is the card's memory (no --gpu-memory)
 
 
 def _checked(
@@ -327,7 +336,7 @@ def _checked(
             budget = parse_size(gpu_memory, name="--gpu-memory")
         except UsageError as exc:
             problems.append(str(exc))
-    profile = None
+    profile, card, budget_from_gpu = None, None, False
     if gpu is not None:
         try:
             card = find_gpu(gpu)
@@ -335,8 +344,12 @@ def _checked(
             attention = knobs.get("attn_implementation")
             if problem := flash_attention_gpu_problem(attention, gpu, card.compute_capability):
                 problems.append(problem)
+            if knobs.get("device") == "cuda" and (
+                problem := card.precision_problem(knobs.get("precision", ""))
+            ):
+                problems.append(problem)
             if budget is None:
-                budget = card.memory_bytes
+                budget, budget_from_gpu = card.memory_bytes, True
         except UsageError as exc:
             problems.append(str(exc))
     model_spec = None
@@ -360,10 +373,28 @@ def _checked(
         )
     if problem := choice_problem("--trace-depth", trace_depth, TRACE_DEPTHS):
         problems.append(problem)
+    if knobs.get("lora_rank"):
+        # the adapters are peft's: the estimate puts them on the model as a run does
+        problems.extend(missing_packages([("peft", "--lora-rank")]))
     if problems:
         raise UsageError("; ".join(problems))
     assert model_spec is not None
-    return _Checked(spec, model_spec, budget, profile, seq_len)
+    return _Checked(spec, model_spec, budget, profile, seq_len, card, budget_from_gpu)
+
+
+def _gpu_details(card: Gpu, budget_from_gpu: bool) -> dict[str, Any]:
+    """``details["gpu"]``: the ``--gpu`` card, the attention kernels its generation runs, and
+    whether the budget is its memory (the verdict then names it)."""
+    return {
+        "id": card.id,
+        "name": card.short_name,
+        "possessive": card.possessive,
+        "memory_bytes": card.memory_bytes,
+        "compute_capability": ".".join(str(x) for x in card.compute_capability),
+        "attention_kernels": list(card.attention_kernels),
+        "budget_is_gpu_memory": budget_from_gpu,
+        "support_note": card.support_note or None,
+    }
 
 
 def _cached_loss_split(

@@ -50,7 +50,8 @@ def trace_modes(spec: StepSpec) -> TraceModes:
 
     def step_modes() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
-        stack.enter_context(CudaSdpa())
+        # the attention kernels of the GPU's generation (StepSpec.sdpa_sm; 80: any sm80+ GPU)
+        stack.enter_context(CudaSdpa(compute_capability=divmod(spec.sdpa_sm, 10)))
         # CUDA's dropout keeps a 1-byte bool mask for backward; the CPU kernel keeps a float one
         stack.enter_context(CudaDropout())
         return stack

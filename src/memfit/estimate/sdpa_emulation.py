@@ -307,7 +307,7 @@ _SDPA_PARAMS = (
 
 
 class CudaSdpa(TorchFunctionMode):
-    """``F.scaled_dot_product_attention`` as an sm80+ GPU runs it.
+    """``F.scaled_dot_product_attention`` as a GPU of a given compute capability runs it.
 
     Picks the backend like ``select_sdp_backend`` (flash, then memory-efficient, then math, or the
     ``sdpa_kernel`` priority order) and runs an emulation that allocates, saves for backward and
@@ -320,14 +320,14 @@ class CudaSdpa(TorchFunctionMode):
     list), and the emulated kernels' own ops are not autocast.
 
     ``compute_capability`` selects the GPU generation (the default, sm80, is an A100; (9, 0) is an
-    H100); ``num_sms`` is its SM count (108 on an A100, 132 on an H100 SXM), used by flash's split-KV
+    H100; below sm80 there is no flash attention, and below sm50 no memory-efficient attention
+    either: a T4 (7, 5), V100 (7, 0) or P100 (6, 0) runs the memory-efficient kernel, a K80 (3, 7)
+    the math path); ``num_sms`` is its SM count (108 on an A100, 132 on an H100 SXM), used by flash's split-KV
     heuristic. ``backend_counts`` counts the backends chosen.
     """
 
     def __init__(self, *, compute_capability: tuple[int, int] = (8, 0), num_sms: int = 108) -> None:
         super().__init__()
-        if sm_number(compute_capability) < 80:
-            raise ValueError("CudaSdpa emulates sm80+ GPUs")
         self.compute_capability = compute_capability
         self.num_sms = num_sms
         self.backend_counts: dict[SdpaBackend, int] = dict.fromkeys(SdpaBackend, 0)

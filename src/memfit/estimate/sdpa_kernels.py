@@ -24,6 +24,7 @@ __all__ = [
     "EfficientAttention",
     "FlashAttention",
     "efficient_attention_backward_workspace_bytes",
+    "efficient_kernel_computes_delta",
     "flash_deterministic_splits",
     "flash_forward_num_splits",
     "flash_head_dim_rounded",
@@ -332,9 +333,9 @@ def _flash_backward(
 # -- memory-efficient attention ---------------------------------------------------------------------
 
 # (kBlockSizeI, kBlockSizeJ, kMaxK) of the backward kernels, in dispatch order, from
-# mem_eff_attention/kernels/cutlassB.h dispatch_cutlassB_{bf16,f16,f32}_sm80 (the seq-aligned
-# variants have the same tiles and are left out). The first kernel whose kMaxK fits is assumed to
-# be launched; the shared-memory fit check of the launcher is not emulated.
+# mem_eff_attention/kernels/cutlassB.h dispatch_cutlassB_{bf16,f16,f32}_sm{50,70,75,80} (the
+# seq-aligned and not-aligned variants have the same tiles and are left out). The first kernel whose
+# kMaxK fits is assumed to be launched; the shared-memory fit check of the launcher is not emulated.
 _KernelTiles = tuple[tuple[int, int, int], ...]
 _CUTLASS_B_HALF: _KernelTiles = (
     (64, 64, 32),
@@ -369,13 +370,33 @@ _CUTLASS_B_F32: _KernelTiles = (
     (128, 64, 65536),
     (64, 64, 65536),
 )
+# sm70-79 (V100, T4): f16 with or without dropout (dispatch_cutlassB_f16_sm70 / _sm75)
+_CUTLASS_B_HALF_SM70_79: _KernelTiles = (
+    (64, 64, 32),
+    (64, 64, 64),
+    (128, 64, 128),
+    (64, 64, 128),
+    (128, 64, 65536),
+    (64, 64, 65536),
+)
+# sm50-69 (P100) f16 and f32, and sm70-79 f32: 64 x 64 tiles only
+_CUTLASS_B_64: _KernelTiles = (
+    (64, 64, 32),
+    (64, 64, 64),
+    (64, 64, 128),
+    (64, 64, 65536),
+)
 
 
 def _cutlass_b_kernel(
     dtype: torch.dtype, max_k: int, dropout: bool, sm: int
 ) -> tuple[int, int, int]:
     table: _KernelTiles
-    if dtype == torch.float32:
+    if sm < 70 or (sm < 80 and dtype == torch.float32):
+        table = _CUTLASS_B_64
+    elif sm < 80:
+        table = _CUTLASS_B_HALF_SM70_79
+    elif dtype == torch.float32:
         table = _CUTLASS_B_F32
     elif dropout:
         table = _CUTLASS_B_HALF_DROPOUT
@@ -385,6 +406,19 @@ def _cutlass_b_kernel(
         if kernel_max_k >= max_k:
             return block_i, block_j, kernel_max_k
     return table[-1]
+
+
+def efficient_kernel_computes_delta(
+    dtype: torch.dtype, max_k: int, dropout: bool, compute_capability: tuple[int, int]
+) -> bool:
+    """kernel_backward.h kKernelComputesDelta: 16-bit kernels, but for the sm70 ones (V100) whose
+    output does not stay in registers; the others get ``delta`` computed on the host first."""
+    sm = sm_number(compute_capability)
+    if dtype not in LOW_PRECISION:
+        return False
+    block_i, _, kernel_max_k = _cutlass_b_kernel(dtype, max_k, dropout, sm)
+    output_in_rf = kernel_max_k <= block_i
+    return output_in_rf or not 70 <= sm < 75  # ArchTag Sm70 serves sm70-74
 
 
 def efficient_attention_backward_workspace_bytes(
@@ -401,8 +435,8 @@ def efficient_attention_backward_workspace_bytes(
 ) -> int:
     """The float32 workspace of _efficient_attention_backward (kernel_backward.h workspace_size()).
 
-    Per (batch, head): the grad-Q accumulator tiles (kNeedsAccumGradQ: always, split-keys are
-    enabled from sm70) and, for 16-bit kernels whose output does not fit in registers
+    Per (batch, head): the grad-Q accumulator tiles (kNeedsAccumGradQ: split keys, enabled from
+    sm70, or a 16-bit kernel) and, for 16-bit kernels whose output does not fit in registers
     (kMaxK > kBlockSizeI), grad-K / grad-V staging per key split.
     """
     sm = sm_number(compute_capability)
@@ -413,14 +447,20 @@ def efficient_attention_backward_workspace_bytes(
     output_in_rf = is_half and kernel_max_k <= block_i  # kOutputInRF
     needs_accum_kv = is_half and not output_in_rf  # kNeedsAccumGradK/V: accum type differs
     # GradQTempStorage: int32 lock, counter, pad[2] + kBlockSizeI x kBlockSizeJ float tile
-    grad_q = _ceil_div(seqlen_q, block_i) * _ceil_div(head_dim, block_j) * (4 + block_i * block_j)
+    split_keys = sm >= 70  # kEnableSplitKeys
+    needs_accum_q = split_keys or is_half  # kNeedsAccumGradQ
+    grad_q = (
+        _ceil_div(seqlen_q, block_i) * _ceil_div(head_dim, block_j) * (4 + block_i * block_j)
+        if needs_accum_q
+        else 0
+    )
     # attention_backward.cu split-keys heuristic
     num_splits_key = _ceil_div(seqlen_k, block_j)
     if batch * heads >= 256 and seqlen_k <= 2 * block_j:
         num_splits_key = 1
     if needs_accum_kv:
         num_splits_key = min(num_splits_key, 200 // (batch * heads))
-    num_splits_key = max(num_splits_key, 1)
+    num_splits_key = max(num_splits_key, 1) if split_keys else 1
     if _deterministic():
         num_splits_key = 1
     grad_k = num_splits_key * block_j * _round_up(head_dim, block_i) if needs_accum_kv else 0
@@ -549,11 +589,15 @@ def _efficient_backward(
         grad_bias = _rounded_zeros(tuple(bias.shape), multiples, bias.dtype, bias.device)[
             ..., : bias.shape[-1]
         ]
-    if q.dtype in LOW_PRECISION:
-        # why: kKernelComputesDelta (16-bit, sm80+): ``delta = at::empty({B, nH, M}, float)``
+    if efficient_kernel_computes_delta(
+        q.dtype, max(head_dim, head_dim_v), dropout_p > 0.0, compute_capability
+    ):
+        # why: kKernelComputesDelta (16-bit but sm70's larger heads): ``delta = at::empty({B, nH, M},
+        # float)``
         delta = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     else:
-        # why: float32 kernels: ``(grad_out.to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2, -1)
+        # why: float32 kernels (and sm70's 16-bit ones for head dims over their block):
+        # ``(grad_out.to(kFloat) * out.to(kFloat)).sum(-1).transpose(-2, -1)
         # .contiguous()``: a (B, M, H, Kv) product, its (B, M, H) sum, a (B, H, M) copy
         delta = (grad_out_t.float() * out_t.float()).sum(-1).transpose(-2, -1).contiguous()
     workspace_bytes = efficient_attention_backward_workspace_bytes(

@@ -47,6 +47,10 @@ class StepSpec:
     # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
     # estimator traces two and adds the rest exactly; real runs use the true count)
     cached_chunks: int = 2
+    # CUDA only: the SM version whose SDPA kernels the estimate emulates (75 for a T4). 80 stands
+    # for every sm80+ GPU (flash and memory-efficient attention); below it there is no flash
+    # attention, below 50 no memory-efficient attention either (see memfit.estimate.sdpa_emulation)
+    sdpa_sm: int = 80
 
 
 class BiEncoder(nn.Module):
@@ -329,10 +333,9 @@ def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] =
 def with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
     """LoRA adapters via peft on :func:`lora_config`'s target modules; the base is frozen, a
     classification head stays trainable (saved with the adapter)."""
-    try:
-        from peft import get_peft_model
-    except ImportError as exc:  # pragma: no cover - peft is in the 'all' extra
-        raise RuntimeError("LoRA needs peft: pip install 'memfit[all]'") from exc
+    from memfit.extras import require
+
+    get_peft_model = require("peft", "--lora-rank").get_peft_model
     if isinstance(model, BiEncoder):
         config = lora_config(
             model.transformer, "sentence-embedding", spec.lora_rank, spec.lora_targets

@@ -50,6 +50,7 @@ class CpuMemoryCap(TorchDispatchMode):
         self.cap_bytes = int(cap_bytes)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._peak_before = 0  # the peak before the op under way (an op that fails adds none)
         # storage address -> (weakref whose callback subtracts the bytes, bytes); the weakref in
         # the value tells a freed storage from a new one that reuses its address
         self._live: dict[int, tuple[weakref.ref[Any], int]] = {}
@@ -111,6 +112,7 @@ class CpuMemoryCap(TorchDispatchMode):
 
     # -- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._peak_before = self.peak_bytes
         out = func(*args, **(kwargs or {}))
         added = 0
         for leaf in tree_leaves(out):
@@ -120,6 +122,8 @@ class CpuMemoryCap(TorchDispatchMode):
         if added == 0 or self.live_bytes <= self.cap_bytes:
             return out
         held = self.live_bytes
+        # the failed allocation was never held: the peak stays at what was, as an allocator's
+        self.peak_bytes = max(self._peak_before, held - added)
         # drop the outputs before raising: the traceback keeps this frame's locals, and memory
         # that failed to allocate must not stay held
         del out

@@ -170,6 +170,9 @@ class Guard:
         self.pad_pass = pad_pass
         # called after a failed attempt, before the re-run (FSDP resets its iteration state)
         self.on_recover = on_recover
+        # the training step's size is a GradCache mini-batch (a recipe that takes the whole step:
+        # in-batch negatives), not a micro-batch: its events say so ("what": "mini_batch")
+        self._mini_batches = False
 
     @property
     def grow_after(self) -> int:
@@ -210,6 +213,7 @@ class Guard:
         """
         if not rows and self.ranks is None:
             raise ValueError("a step needs at least one row")
+        self._mini_batches = not recipe.splittable
         self._maybe_grow(step)
         clean = True
         while True:
@@ -535,8 +539,13 @@ class Guard:
         return new
 
     def _emit(self, event: dict[str, Any]) -> None:
-        if self.on_event is not None:
-            self.on_event(event)
+        if self.on_event is None:
+            return
+        if self._mini_batches and "phase" not in event:
+            # a training step's events (oom, backoff, grow; eval's name their phase): their
+            # sizes are the GradCache mini-batch's
+            event = {**event, "what": "mini_batch"}
+        self.on_event(event)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | None]:

@@ -8,7 +8,8 @@ One policy for every guarded loop: :class:`memfit.guard.Guard` (``memfit train``
   above the rows there were ran them all at once); nothing is smaller than one row. A token
   budget halves to half the padded tokens of the chunk that failed (:meth:`BackOff.halve_tokens`).
 * **Report** (:func:`back_off`): an ``oom`` event, then a ``backoff`` event ``from``/``to``; one
-  row that does not fit stops the caller's way (its exception).
+  row that does not fit stops the caller's way (its exception). An OOM in the optimizer update
+  stops the run (:func:`optimizer_stop`): no smaller micro-batch changes what the update holds.
 * **Grow back** (:meth:`BackOff.grow`): after ``grow_after`` clean optimizer steps, twice the size
   (up to its ceiling, the planned one); a grown size that runs out of memory doubles the wait
   before the next try (:meth:`BackOff.after_oom`).
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
+
+from memfit.errors import NothingFitsError
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -126,6 +129,28 @@ def back_off(
         event["phase"] = phase
     emit(event)
     return new
+
+
+def optimizer_stop(
+    step: int, error: str, *, emit: EventSink, cures: str, stop_step: int | None = None
+) -> NothingFitsError:
+    """An OOM in the optimizer update (clipping, the step): the end of the run, as no smaller
+    micro-batch changes what the update holds. Emits ``{"type": "oom", "step", "phase":
+    "optimizer", "error"}`` and ``{"type": "stop", "step": stop_step (default step), "reason"}``,
+    and returns the error to raise: one line with ``cures`` (the caller's spelling of what helps:
+    CLI flags, ``TrainingArguments``)."""
+    emit({"type": "oom", "step": step, "phase": "optimizer", "error": error})
+    emit(
+        {
+            "type": "stop",
+            "step": step if stop_step is None else stop_step,
+            "reason": "the optimizer step does not fit",
+        }
+    )
+    return NothingFitsError(
+        f"step {step}: the optimizer step runs out of memory ({error}). It holds the weights, "
+        f"their gradients and the optimizer state whatever the micro-batch: try {cures}"
+    )
 
 
 class Least(Protocol):

@@ -22,6 +22,7 @@ import torch
 from memfit._callable_module import make_callable
 from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
+from memfit.extras import problems as missing_packages
 from memfit.infer.inputs import FLAG, id_type, read_input
 from memfit.infer.model import load_sentence_transformer, model_folder
 from memfit.infer.output import EMBED_SUFFIXES, AtomicOutput, NpyOutput, ParquetOutput, check_output
@@ -116,6 +117,7 @@ def embed(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
     ``.parquet``, rows in input order) atomically. See :mod:`memfit.infer.run` for the flow."""
     cfg = config_from(config, knobs)
     problems = config_problems(cfg) + check_output(cfg.output, EMBED_SUFFIXES)
+    problems += missing_packages([("sentence_transformers", "memfit embed")])
     if cfg.task is not None:
         problems.append("--task: memfit embed always embeds; --task is for memfit predict")
     if cfg.text_pair_column is not None:

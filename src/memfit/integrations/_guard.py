@@ -36,6 +36,13 @@ that call, so the guard overrides ``training_step`` itself:
 Dropout: with dropout off a guarded run ends with the same weights as an unguarded one (up to
 float summation order). With dropout on, the re-run draws new masks: equal in distribution.
 One process only: under DDP an OOM on one rank would have to become every rank's decision.
+
+The optimizer update (clipping, ``optimizer.step``) holds the weights, their gradients and the
+optimizer state (AdamW allocates its two moments in the first step) whatever the micro-batch: an
+OOM there is not guarded but ends ``train()`` with a ``NothingFitsError`` naming what helps, as
+``memfit train`` does (:func:`memfit.guard.policy.optimizer_stop`). That error, and the one when
+one row does not fit, leave ``train``/``evaluate``/``predict`` with their traceback cut there and,
+uncaught, end a script with their one line and exit code 3 (:mod:`memfit.integrations._exit`).
 """
 
 from __future__ import annotations
@@ -59,8 +66,9 @@ from transformers import TrainerCallback
 from memfit.errors import NothingFitsError
 from memfit.guard.cap import CpuMemoryCap, memory_cap
 from memfit.guard.oom import CatchOom, drop_gradients, free_memory
-from memfit.guard.policy import BackOff, back_off
+from memfit.guard.policy import BackOff, back_off, optimizer_stop
 from memfit.integrations._batch import batch_rows, concat_outputs, count_items, split_batch
+from memfit.integrations._exit import Surfaced
 from memfit.units import parse_size
 
 if TYPE_CHECKING:
@@ -79,9 +87,16 @@ SUM_OVER_STEP = "sum-over-step"  # Σ item losses ÷ num_items_in_batch: chunks 
 MEAN = "mean"  # mean over the call's items: a chunk weighs its share of them
 SUM = "sum"  # a plain sum over the call's rows: chunks add up as they are
 
+# what helps when the optimizer update does not fit, in TrainingArguments' words
+UPDATE_CURES = (
+    "optim='adafactor' (or optim='adamw_bnb_8bit' on CUDA with bitsandbytes), LoRA adapters "
+    "(peft's get_peft_model), or more memory"
+)
+
 
 class _StepReset(TrainerCallback):
-    """Resets the guard's step bookkeeping whenever a training loop begins."""
+    """Resets the guard's step bookkeeping whenever a training loop begins, and marks the
+    optimizer step (an OOM inside it is the end of the run, see ``TrainerGuardMixin.train``)."""
 
     def __init__(self, trainer: TrainerGuardMixin) -> None:
         # a weak reference: the trainer holds this callback, not the other way round
@@ -91,6 +106,16 @@ class _StepReset(TrainerCallback):
         trainer = self._trainer()
         if trainer is not None:
             trainer._guard_reset_steps()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._guard_updating = True
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._guard_updating = False
 
 
 class TrainerGuardMixin(_TrainerBase):
@@ -127,6 +152,8 @@ class TrainerGuardMixin(_TrainerBase):
         self.guard_events = []
         self.guard_cap = None
         self._guard_capping = False
+        # between a step's last training_step and the end of its optimizer step: the update
+        self._guard_updating = False
         # the optimizer step in flight: its Trainer step number, its calls so far (inputs and
         # num_items_in_batch, which a re-run after OOM needs), whether it ran clean
         self._guard_step_key: int | None = None
@@ -200,22 +227,33 @@ class TrainerGuardMixin(_TrainerBase):
         self._guard_step_clean = True
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; an OOM in the optimizer update ends it with a
+        ``NothingFitsError`` that names what helps (no micro-batch changes what it holds)."""
         self._guard_reset_steps()
         if not any(isinstance(c, _StepReset) for c in self.callback_handler.callbacks):
             self.add_callback(_StepReset(self))
         try:
-            with self._guard_capped():
-                return super().train(*args, **kwargs)
+            with Surfaced(), self._guard_capped():
+                # an OOM anywhere else goes on up as it is (training_step catches its own)
+                with CatchOom(when=lambda: self._guard_updating) as caught:
+                    return super().train(*args, **kwargs)
+                raise optimizer_stop(
+                    self._guard_step_number(),
+                    str(caught.error),
+                    emit=self._guard_emit,
+                    cures=UPDATE_CURES,
+                )
         finally:
             # the last step's inputs are the Trainer's to free, not ours to keep
             self._guard_step_calls = []
+            self._guard_updating = False
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        with self._guard_capped():
+        with Surfaced(), self._guard_capped():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        with self._guard_capped():
+        with Surfaced(), self._guard_capped():
             return super().predict(*args, **kwargs)
 
     # -- training -----------------------------------------------------------------------------
@@ -231,6 +269,7 @@ class TrainerGuardMixin(_TrainerBase):
             # chunks would all-reduce the gradient once each, and one rank's OOM would leave the
             # others waiting in a collective: several processes are memfit train's job
             return super().training_step(model, inputs, num_items_in_batch)
+        self._guard_updating = False
         self._guard_begin_call()
         call: tuple[Mapping[str, Any], Any] = (inputs, num_items_in_batch)
         self._guard_step_calls.append(call)
@@ -244,6 +283,9 @@ class TrainerGuardMixin(_TrainerBase):
                 loss = self._guard_run_call(model, inputs, num_items_in_batch)
             error = caught.error
             if error is None:
+                # the step's last call (the Trainer syncs gradients on it): clipping and the
+                # optimizer step come next, until on_optimizer_step
+                self._guard_updating = self._guard_last_call()
                 return loss
             # out of the with block: the exception and its frames are gone now
             self._guard_step_clean = False
@@ -252,6 +294,13 @@ class TrainerGuardMixin(_TrainerBase):
             self._guard_policy.after_oom()
             self._guard_back_off(inputs, error)
             pending = list(self._guard_step_calls)
+
+    def _guard_last_call(self) -> bool:
+        """Whether the call that just ran was its optimizer step's last (transformers sets
+        accelerate's ``sync_gradients`` before it; older ones only mark the update by
+        ``on_pre_optimizer_step``, which covers the optimizer step but not the clipping)."""
+        state = getattr(getattr(self, "accelerator", None), "gradient_state", None)
+        return bool(getattr(state, "sync_gradients", False))
 
     def _guard_begin_call(self) -> None:
         """Step bookkeeping: a call with a new Trainer step number starts a new optimizer step
@@ -468,7 +517,7 @@ class TrainerGuardMixin(_TrainerBase):
         record = {"time": round(time.time(), 3), **event}
         self.guard_events.append(record)
         kind = event["type"]
-        if kind in ("oom", "stop"):
+        if kind in ("oom", "backoff", "stop"):  # what changed the run, or ended it: said
             logger.warning("memfit guard: %s", json.dumps(event))
         else:
             logger.info("memfit guard: %s", json.dumps(event))

@@ -12,7 +12,6 @@ import difflib
 import hashlib
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -21,48 +20,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from memfit.errors import UsageError
 
-# canonical name -> other names it answers to (current Hub ids, short names). The config file is
-# configs/<canonical name with "/" written as "--">.json, the way the Hugging Face cache names repos.
-_REGISTRY: dict[str, tuple[str, ...]] = {
-    "bert-base-uncased": ("google-bert/bert-base-uncased",),
-    "bert-base-cased": ("google-bert/bert-base-cased",),
-    "bert-large-uncased": ("google-bert/bert-large-uncased",),
-    "bert-base-multilingual-cased": ("google-bert/bert-base-multilingual-cased",),
-    "distilbert-base-uncased": ("distilbert/distilbert-base-uncased",),
-    "roberta-base": ("FacebookAI/roberta-base",),
-    "roberta-large": ("FacebookAI/roberta-large",),
-    "distilroberta-base": ("distilbert/distilroberta-base",),
-    "gpt2": ("openai-community/gpt2",),
-    "gpt2-medium": ("openai-community/gpt2-medium",),
-    "gpt2-large": ("openai-community/gpt2-large",),
-    "gpt2-xl": ("openai-community/gpt2-xl",),
-    "distilgpt2": ("distilbert/distilgpt2",),
-    "sentence-transformers/all-MiniLM-L6-v2": ("all-MiniLM-L6-v2",),
-    "sentence-transformers/all-mpnet-base-v2": ("all-mpnet-base-v2",),
-    "sentence-transformers/paraphrase-MiniLM-L6-v2": ("paraphrase-MiniLM-L6-v2",),
-    "sentence-transformers/all-MiniLM-L12-v2": ("all-MiniLM-L12-v2",),
-    "sentence-transformers/paraphrase-multilingual-MiniLM-L12-v2": (
-        "paraphrase-multilingual-MiniLM-L12-v2",
-    ),
-    "meta-llama/Llama-3.2-1B": ("Llama-3.2-1B",),
-    "meta-llama/Llama-3.2-3B": ("Llama-3.2-3B",),
-    # the Hub repo was meta-llama/Meta-Llama-3.1-8B until its rename
-    "meta-llama/Llama-3.1-8B": ("Llama-3.1-8B", "meta-llama/Meta-Llama-3.1-8B"),
-    "Qwen/Qwen2.5-0.5B": ("Qwen2.5-0.5B",),
-    "Qwen/Qwen2.5-1.5B": ("Qwen2.5-1.5B",),
-    "Qwen/Qwen2.5-7B": ("Qwen2.5-7B",),
-    "mistralai/Mistral-7B-v0.3": ("Mistral-7B-v0.3",),
-    "google/gemma-2-2b": ("gemma-2-2b",),
-    "microsoft/Phi-3.5-mini-instruct": ("Phi-3.5-mini-instruct",),
-    "HuggingFaceTB/SmolLM2-135M": ("SmolLM2-135M",),
-    "HuggingFaceTB/SmolLM2-1.7B": ("SmolLM2-1.7B",),
-    "answerdotai/ModernBERT-base": ("ModernBERT-base",),
-    "answerdotai/ModernBERT-large": ("ModernBERT-large",),
-    "microsoft/deberta-v3-base": ("deberta-v3-base",),
-    "BAAI/bge-small-en-v1.5": ("bge-small-en-v1.5",),
-    "BAAI/bge-base-en-v1.5": ("bge-base-en-v1.5",),
-    "intfloat/e5-base-v2": ("e5-base-v2",),
-}
+# the registry's names live in memfit.models.catalog, where `memfit models` reads them without
+# importing transformers
+from memfit.models.catalog import REGISTRY as _REGISTRY
+from memfit.models.catalog import config_text
+
 # Entries whose checkpoint holds another class than their config's ``architectures`` names:
 # sentence-transformers saves the bare transformer but keeps the config of the model it was
 # fine-tuned from (all-mpnet-base-v2's says MPNetForMaskedLM; its weights have no LM head).
@@ -230,9 +192,7 @@ def _folder_config(folder: Path) -> Path | None:
 
 
 def _registry_config(name: str) -> PretrainedConfig:
-    filename = name.replace("/", "--") + ".json"
-    text = (resources.files("memfit.models") / "configs" / filename).read_text(encoding="utf-8")
-    return _build_config(json.loads(text), f"registry entry {name}")
+    return _build_config(json.loads(config_text(name)), f"registry entry {name}")
 
 
 def _hf_cache_config(repo_id: str) -> Path | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.plan import cost
+from memfit.units import format_bytes, size_arg
 
 LORA_RANK = 8
 # QLoRA's recipe (Dettmers et al. 2023, arXiv:2305.14314): 4-bit NormalFloat base weights, their
@@ -192,9 +193,34 @@ class Plan:
             parts.append(f"--sharding {s['sharding']}")
         if self.attn_implementation != "sdpa":
             parts.append(f"--attn-implementation {self.attn_implementation}")
-        if self.gpu:
-            parts.append(f"--gpu {self.gpu}")
+        parts += self._budget_flags()
         return " ".join(parts)
+
+    def budget_words(self) -> str:
+        """The budget as a verdict says it, naming the card: ``a T4's 14.56 GiB`` (its memory),
+        ``12.00 GiB on a T4`` (another budget on it), ``16.00 GiB`` (no card named)."""
+        from memfit.devices.catalog import catalog as gpus
+
+        card = gpus().get(self.gpu) if self.gpu else None
+        size = format_bytes(self.budget_bytes)
+        if card is None:
+            return size
+        if card.memory_bytes == self.budget_bytes:
+            return f"{card.possessive} {size}"
+        return f"{size} on {card.possessive.split(' ', 1)[0]} {card.short_name}"
+
+    def _budget_flags(self) -> list[str]:
+        """``--gpu NAME`` when the budget is that card's memory, else ``--gpu-memory SIZE`` (a
+        size, rounded down: :func:`memfit.units.size_arg`) and the card, if one was named."""
+        from memfit.devices.catalog import catalog as gpus
+
+        card = gpus().get(self.gpu) if self.gpu else None
+        flags = []
+        if card is None or card.memory_bytes != self.budget_bytes:
+            flags.append(f"--gpu-memory {size_arg(self.budget_bytes)}")
+        if self.gpu:
+            flags.append(f"--gpu {self.gpu}")
+        return flags
 
     def plan_command(self, world_size: int, sharding: str) -> str:
         """The ``memfit plan`` command of this job on ``world_size`` GPUs with ``sharding``."""
@@ -206,13 +232,7 @@ class Plan:
             parts.append(f"--num-labels {self.num_labels}")
         if self.loss:
             parts.append(f"--loss {self.loss}")
-        from memfit.devices.catalog import catalog as gpus
-
-        card = gpus().get(self.gpu) if self.gpu else None
-        if card is None or card.memory_bytes != self.budget_bytes:
-            parts.append(f"--gpu-memory {self.budget_bytes}")
-        if self.gpu:
-            parts.append(f"--gpu {self.gpu}")
+        parts += self._budget_flags()
         if self.pinned_precision:
             parts.append(f"--precision {self.pinned_precision}")
         if self.lora_rank:

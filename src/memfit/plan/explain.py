@@ -56,7 +56,7 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     c = result.chosen
     if c is None:
         return [
-            f"Nothing fits in {_gib(job.usable)} ({_gib(result.budget_bytes)} less the safety "
+            f"Nothing fits in {_gib(job.usable)} ({result.budget_words()} less the safety "
             f"margin): the least any allowed configuration needs is "
             f"{_gib(result.min_required_bytes)}."
         ]
@@ -91,7 +91,7 @@ def _batch_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
             lines.append(
                 f"{c.loss} with mini-batch {c.mini_batch_size}: the whole batch of {c.micro_batch_size} "
                 f"per GPU is one step, embedded {c.mini_batch_size} rows at a time: "
-                f"{_gib(c.predicted_peak_bytes)} of {_gib(result.budget_bytes)}."
+                f"{_gib(c.predicted_peak_bytes)} of {result.budget_words()}."
             )
             lines.append(
                 f"{job.loss} compares every sample with the rest of its batch, so gradient "
@@ -102,14 +102,14 @@ def _batch_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
         else:
             lines.append(
                 f"The whole batch of {c.micro_batch_size} per GPU fits at once: "
-                f"{_gib(c.predicted_peak_bytes)} of {_gib(result.budget_bytes)}."
+                f"{_gib(c.predicted_peak_bytes)} of {result.budget_words()}."
             )
     else:
         lines.append(
             f"micro-batch {c.micro_batch_size} × accumulate {c.gradient_accumulation_steps}"
             + (f" × {c.world_size} GPUs" if c.world_size > 1 else "")
             + f" = {job.per_rank * job.world_size}: {_gib(c.predicted_peak_bytes)} of "
-            f"{_gib(result.budget_bytes)} ({_gib(job.usable)} after the {result.safety_margin:.0%} margin)."
+            f"{result.budget_words()} ({_gib(job.usable)} after the {result.safety_margin:.0%} margin)."
         )
     return lines
 

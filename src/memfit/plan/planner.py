@@ -48,6 +48,7 @@ from memfit.estimate import depth, workload
 from memfit.estimate.api import estimate
 from memfit.estimate.prefetch import prefetch
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
+from memfit.extras import problems as missing_packages
 from memfit.job import (
     CACHED_LOSSES,
     IN_BATCH_NEGATIVE_LOSSES,
@@ -464,6 +465,10 @@ def _validate(
             "--allow quantization: quantized base weights are frozen, so it needs LoRA adapters "
             "(QLoRA); allow both (--allow lora,quantization) or give --lora-rank R"
         )
+    if job.lora_rank or "lora" in allowed:
+        # LoRA candidates are estimated with peft's adapters on the model
+        flag = "--lora-rank" if job.lora_rank else "--allow lora"
+        problems.extend(missing_packages([("peft", flag)]))
     budget: int | None = None
     if gpu_memory is not None:
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from memfit.estimate import Estimate
     from memfit.plan import Plan
 
-_LABELS = {
+# the estimate's breakdown keys in words (the console table, the report page)
+PART_LABELS = {
     "parameters": "parameters",
     "buffers": "buffers",
     "gradients": "gradients",
@@ -41,27 +42,40 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
     table.add_column("share", justify="right")
     for key, value in estimate.breakdown.items():
         share = value / estimate.total_bytes * 100 if estimate.total_bytes else 0.0
-        table.add_row(_LABELS.get(key, key), format_bytes(value), f"{share:.1f} %")
+        table.add_row(PART_LABELS.get(key, key), format_bytes(value), f"{share:.1f} %")
     table.add_row(
         "[bold]peak[/bold]", f"[bold]{format_bytes(estimate.total_bytes)}[/bold]", "100.0 %"
     )
     console.print(table)
     console.print(
         f"Peak in the {estimate.peak_phase.replace('_', ' ')} phase; the biggest part is "
-        f"{_LABELS.get(estimate.biggest_part, estimate.biggest_part)} "
+        f"{PART_LABELS.get(estimate.biggest_part, estimate.biggest_part)} "
         f"({format_bytes(estimate.breakdown[estimate.biggest_part])})."
     )
     if estimate.budget_bytes is not None:
+        budget = budget_words(estimate.budget_bytes, estimate.details.get("gpu"))
         if estimate.fits:
             console.print(
-                f"[green]Fits[/green] in {format_bytes(estimate.budget_bytes)}: "
+                f"[green]Fits[/green] in {budget}: "
                 f"{format_bytes(estimate.budget_bytes - estimate.total_bytes)} to spare."
             )
         else:
             console.print(
-                f"[red]Does not fit[/red] in {format_bytes(estimate.budget_bytes)}: "
+                f"[red]Does not fit[/red] in {budget}: "
                 f"{format_bytes(estimate.total_bytes - estimate.budget_bytes)} short."
             )
+
+
+def budget_words(budget_bytes: int, gpu: dict[str, Any] | None) -> str:
+    """The budget of a verdict, naming the ``--gpu`` card: ``a T4's 14.56 GiB`` (its memory),
+    ``12.00 GiB on a T4`` (--gpu-memory with it), ``16.00 GiB`` (--gpu-memory alone)."""
+    size = format_bytes(budget_bytes)
+    if not gpu:
+        return size
+    if gpu.get("budget_is_gpu_memory"):
+        return f"{gpu['possessive']} {size}"
+    article = str(gpu["possessive"]).split(" ", 1)[0]
+    return f"{size} on {article} {gpu['name']}"
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
@@ -69,7 +83,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console(highlight=False)
     if plan.chosen is None:
         console.print(
-            f"[bold red]Nothing fits[/] in {format_bytes(plan.budget_bytes)}: "
+            f"[bold red]Nothing fits[/] in {escape(plan.budget_words())}: "
             f"the least any configuration needs is {format_bytes(plan.min_required_bytes)}."
         )
     else:
@@ -80,7 +94,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
             if value is not None:
                 table.add_row(key, str(value))
         table.add_row("predicted peak", format_bytes(plan.chosen.predicted_peak_bytes))
-        table.add_row("budget", format_bytes(plan.budget_bytes))
+        table.add_row("budget", escape(plan.budget_words()))
         rate = plan.chosen.predicted_samples_per_second
         table.add_row("samples/s (cost model)", f"{rate:.1f}" if rate >= 1 else f"{rate:.2g}")
         console.print(table)

@@ -9,39 +9,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
-from memfit.job import OPTIMIZER_TABLE, SWAP_OPTIMIZERS, Job
-from memfit.plan.configuration import LORA_RANK, QLORA
+from memfit.job import CACHED_LOSSES, IN_BATCH_NEGATIVE_LOSSES, Job, resolve_loss
+from memfit.report.doctor_cures import Fix, cures, gpu_of, loss_of
 from memfit.report.events import agreed_events
 from memfit.report.oom_message import KIND_TITLES, OomReport, parse_oom
-from memfit.units import format_bytes
+from memfit.report.shapes import run_width
+from memfit.units import format_bytes, size_arg
+
+__all__ = ["Diagnosis", "FailedJob", "Fix", "diagnose", "failed_job", "from_run_dir", "gpu_of"]
 
 
 # --- diagnosis -----------------------------------------------------------------------------------
-@dataclass
-class Fix:
-    """One change that cures (or helps cure) the OOM: what to change, what it saves, its price."""
-
-    change: str
-    saves_bytes: int | None
-    cost: str
-    lever: str  # a stable name: expandable_segments, micro_batch, precision, …
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 @dataclass(kw_only=True)
 class FailedJob(Job):
     """The job that ran out of memory, as far as the flags, the run folder and the message tell."""
 
     # False: the effective batch was not given (the job's is the micro-batch's accumulation)
     effective_batch_known: bool = True
+    # the data's longest row in tokens (None: not known) and where ``seq_len`` was read
+    longest_tokens: int | None = None
+    seq_len_source: str | None = None
 
 
 def failed_job(
@@ -67,8 +59,10 @@ def failed_job(
 
 def estimate_kwargs(job: Job) -> dict[str, Any]:
     """The :func:`memfit.estimate` arguments of the failed ``job`` (fp32, no checkpointing, two
-    labels, no accumulation, plain weights, CUDA where it does not say)."""
+    labels, no accumulation, plain weights, CUDA where it does not say; the cached loss with its
+    mini-batch)."""
     quantized = job.quantization not in (None, "none")
+    cached = job.mini_batch_size is not None and loss_of(job) == "cached-mnrl"
     return {
         "task": job.task,
         "batch_size": job.micro_batch_size,
@@ -87,6 +81,7 @@ def estimate_kwargs(job: Job) -> dict[str, Any]:
             if quantized
             else {}
         ),
+        **({"mini_batch_size": job.mini_batch_size} if cached else {}),
     }
 
 
@@ -98,7 +93,12 @@ def job_record(job: Job) -> dict[str, Any]:
     known = getattr(job, "effective_batch_known", True)
     effective = job.effective_batch_size if known else None
     weights = {"quantization": job.quantization or "none", "double_quant": bool(job.double_quant)}
-    return record | weights | {"effective_batch_size": effective, "device": device}
+    shapes = {
+        "mini_batch_size": record.pop("mini_batch_size", None),
+        "longest_tokens": getattr(job, "longest_tokens", None),
+        "seq_len_source": getattr(job, "seq_len_source", None),
+    }
+    return record | weights | {"effective_batch_size": effective, "device": device} | shapes
 
 
 @dataclass
@@ -274,6 +274,7 @@ def diagnose(
         )
 
     baseline: int | None = None
+    job = knobs  # the cures fit the job (its loss, data, device) even where none can be priced
     if knobs is not None:
         try:
             baseline = _estimate_total(knobs.model, estimate_kwargs(knobs))
@@ -293,7 +294,10 @@ def diagnose(
             lines.append(f"could not estimate {changes}: {exc}")
             return None
 
-    for fix in _cures(knobs, saving):
+    notes: list[str] = []
+    offered = cures(job, saving, report, notes)
+    lines += notes
+    for fix in offered:
         if fix.saves_bytes is not None and fix.saves_bytes <= 0:
             lines.append(
                 f"not proposed: {fix.lever} would not lower this job's peak "
@@ -314,143 +318,16 @@ def diagnose(
     return Diagnosis(report=report, diagnosis=lines, fixes=fixes, source=source, knobs=knobs)
 
 
-def _cures(knobs: Job | None, saving: Callable[..., int | None]) -> list[Fix]:
-    """memfit plan's cures, in its order, that this job does not use yet; ``saving(**changes)``
-    prices each (None: unknown)."""
-    candidates: list[Fix] = []
-    batch = knobs.micro_batch_size if knobs else None
-    if batch is None or batch > 1:
-        accumulation = (knobs.gradient_accumulation_steps or 1) if knobs else 1
-        change = (
-            f"halve the micro-batch ({batch} → {batch // 2}) and double gradient accumulation "
-            f"({accumulation} → {2 * accumulation}): the effective batch and the gradient stay the same"
-            if batch is not None
-            else "halve the micro-batch and double gradient accumulation (effective batch kept)"
-        )
-        candidates.append(
-            Fix(
-                change=change,
-                saves_bytes=None
-                if batch is None
-                else saving(batch_size=batch // 2, gradient_accumulation_steps=2 * accumulation),
-                cost="some throughput (smaller kernels, more steps per update); the recipe is unchanged",
-                lever="micro_batch",
-            )
-        )
-    if knobs is None or (knobs.precision or "fp32") == "fp32":
-        candidates.append(
-            Fix(
-                change="mixed precision: bf16 autocast (fp16 with loss scaling on GPUs without "
-                "bf16, before Ampere)",
-                saves_bytes=saving(precision="bf16"),
-                cost="none on Ampere or newer (usually faster); fp16 needs a GradScaler",
-                lever="precision",
-            )
-        )
-    if knobs is None or not knobs.gradient_checkpointing:
-        candidates.append(
-            Fix(
-                change="gradient checkpointing (recompute activations in backward)",
-                saves_bytes=saving(gradient_checkpointing=True),
-                cost="about 33 % more compute per step",
-                lever="gradient_checkpointing",
-            )
-        )
-    seq = knobs.seq_len if knobs else None
-    if seq is None or seq > 8:
-        shorter = None if seq is None else max(8, seq // 2 // 8 * 8)
-        candidates.append(
-            Fix(
-                change="truncate sequences"
-                + ("" if seq is None else f" ({seq} → {shorter} tokens, --max-seq-len {shorter})"),
-                saves_bytes=None if shorter is None else saving(seq_len=shorter),
-                cost="tokens past the limit are cut: check the data's lengths first "
-                "(memfit plan --train-file reports the share cut)",
-                lever="truncation",
-            )
-        )
-    if knobs is None or _swap_saves(knobs.optimizer):
-        candidates.append(
-            Fix(
-                change="8-bit AdamW (bitsandbytes) or Adafactor instead of AdamW",
-                saves_bytes=saving(optimizer=SWAP_OPTIMIZERS[0]),
-                cost="changes the optimizer: state is quantized (8-bit AdamW) or factored "
-                "(Adafactor); usually close in quality",
-                lever="optimizer",
-            )
-        )
-    if knobs is None or not knobs.lora_rank:
-        candidates.append(
-            Fix(
-                change="LoRA adapters (peft, rank 8) instead of full fine-tuning",
-                saves_bytes=saving(lora_rank=LORA_RANK),
-                cost="trains adapters, not all weights: quality can differ from full fine-tuning",
-                lever="lora",
-            )
-        )
-    qlora = _qlora_fix(knobs, saving, candidates) if knobs and _could_quantize(knobs) else None
-    if qlora is not None:
-        candidates.append(qlora)
-    return candidates
-
-
-def _could_quantize(job: Job) -> bool:
-    """A decoder on a GPU with plain base weights: memfit plan's quantization lever (QLoRA) fits
-    it. The estimate decides whether it is big enough to gain (a small model's upcast
-    embeddings can outweigh the 4-bit weights)."""
-    return (
-        job.task == "causal-lm"
-        and job.quantization in (None, "none")
-        and (job.device or "cuda") == "cuda"
-    )
-
-
-def _qlora_fix(job: Job, saving: Callable[..., int | None], cures: list[Fix]) -> Fix | None:
-    """QLoRA as memfit plan's quantization lever makes it: the job's LoRA rank (else rank 8)
-    on NF4 base weights with double quantization. For a full fine-tuning job it must save more
-    than the LoRA fix alone (None: it does not)."""
-    quantization, double_quant = QLORA
-    rank = job.lora_rank or LORA_RANK
-    saves = saving(lora_rank=rank, quantization=quantization, double_quant=double_quant)
-    flags = f"--quantization {quantization}" + (" --double-quant" if double_quant else "")
-    if job.lora_rank:
-        change = (
-            f"QLoRA: the frozen base weights in {quantization} with double quantization under "
-            f"the rank-{rank} adapters ({flags}; memfit plan --lora-rank {rank} --allow "
-            "quantization plans it)"
-        )
-    else:
-        change = (
-            f"QLoRA: LoRA adapters (rank {rank}) on {quantization} base weights with double "
-            f"quantization (--lora-rank {rank} {flags}; memfit plan --allow lora,quantization "
-            "plans it)"
-        )
-        lora = next((f.saves_bytes for f in cures if f.lever == "lora"), None)
-        if saves is not None and lora is not None and saves <= lora:
-            return None  # more harm than LoRA for no more memory
-    return Fix(
-        change=change,
-        saves_bytes=saves,
-        cost="slower steps: every forward and backward dequantizes the base weights (memfit "
-        "plan prices it); QLoRA (Dettmers et al. 2023) matched 16-bit LoRA on its benchmarks, "
-        "a small quality risk remains; needs bitsandbytes and a CUDA GPU",
-        lever="quantization",
-    )
-
-
-def _swap_saves(optimizer: str) -> bool:
-    """A memory-saving optimizer would hold less state than ``optimizer`` (AdamW's)."""
-    own = OPTIMIZER_TABLE.get(optimizer)
-    swap = OPTIMIZER_TABLE[SWAP_OPTIMIZERS[0]]
-    return own is not None and own.bytes_per_parameter > swap.bytes_per_parameter
-
-
 def _plan_fix(report: OomReport, knobs: Job | None, cuda: bool) -> Fix:
     """The command that searches every lever at once for this budget."""
     parts = ["memfit plan", knobs.model if knobs else "MODEL"]
     parts += ["--task", knobs.task if knobs else "TASK"]
     parts += ["--effective-batch-size", str(knobs.effective_batch_size) if knobs else "N"]
     parts += ["--seq-len", str(knobs.seq_len) if knobs else "LEN"]
+    if knobs is not None and knobs.task == "sentence-embedding" and knobs.loss is not None:
+        parts += ["--loss", loss_of(knobs)]
+    if knobs is not None and knobs.task == "classification" and (knobs.num_labels or 2) != 2:
+        parts += ["--num-labels", str(knobs.num_labels)]
     if knobs is not None and knobs.lora_rank:
         parts += ["--lora-rank", str(knobs.lora_rank)]  # the job's own: the plan keeps them
     if knobs is not None and knobs.quantization not in (None, "none"):
@@ -458,7 +335,7 @@ def _plan_fix(report: OomReport, knobs: Job | None, cuda: bool) -> Fix:
         parts += ["--double-quant"] if knobs.double_quant else []
     budget = report.capacity_bytes
     if budget is not None:
-        parts += ["--gpu-memory", str(budget)]
+        parts += ["--gpu-memory", size_arg(budget)]
     else:
         parts += ["--gpu", "NAME"]
     return Fix(
@@ -522,8 +399,13 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
     return agreed_events(events)
 
 
-def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Job | None:
-    """The failed job's knobs from a run folder's ``run.json`` (None if it lacks the model)."""
+def knobs_from_run(
+    run: dict[str, Any], micro_batch_size: int | None, events: list[dict[str, Any]] | None = None
+) -> FailedJob | None:
+    """The failed job's knobs from a run folder's ``run.json`` and ``events`` (None if it lacks
+    the model), at the shapes the run fed (:func:`memfit.report.shapes.run_width`). ``micro_batch_size``: the rows
+    the failed step held at once; for an in-batch-negatives loss that is the GradCache
+    mini-batch, the step's batch staying whole."""
     config = run.get("config") or {}
     resolved = run.get("resolved") or {}
     model, task = config.get("model"), config.get("task")
@@ -532,26 +414,36 @@ def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Job | N
     batch = micro_batch_size or resolved.get("micro_batch_size") or config.get("micro_batch_size")
     if not batch:
         return None
-    # as memfit train picks it: --max-seq-len, else --seq-len, else the task's default
-    seq = (
-        config.get("max_seq_len") or config.get("seq_len") or (512 if task == "causal-lm" else 128)
-    )
+    batch = int(batch)
+    width = run_width(run, events or [])
     effective = int(config.get("effective_batch_size") or 0) or None
-    world = int(config.get("world_size") or 1)
-    accumulation = max(1, -(-(effective or batch) // (int(batch) * world)))
+    world = int(resolved.get("world_size") or config.get("world_size") or 1)
+    loss, mini = config.get("loss"), None
+    canonical = resolve_loss(str(task), loss, [])
+    if canonical in IN_BATCH_NEGATIVE_LOSSES:
+        # memfit train hands the whole step to the loss, ``batch`` rows embedded at a time
+        per_rank = max(1, (effective or batch) // world)
+        if batch < per_rank or canonical == "cached-mnrl":
+            loss, mini = CACHED_LOSSES.get(canonical, canonical), batch
+        batch, accumulation = per_rank, 1
+    else:
+        accumulation = max(1, -(-(effective or batch) // (batch * world)))
     device = str(resolved.get("device") or config.get("device") or "cuda")
     return failed_job(
         model=str(model),
         task=str(task),
-        batch_size=int(batch),
-        seq_len=int(seq),
+        batch_size=batch,
+        seq_len=width.seq_len,
+        longest_tokens=width.longest_tokens,
+        seq_len_source=width.source,
         precision=str(resolved.get("precision") or config.get("precision") or "fp32"),
         gradient_checkpointing=bool(
             resolved.get("gradient_checkpointing", config.get("gradient_checkpointing")) or False
         ),
         optimizer=str(config.get("optimizer") or "adamw"),
         num_labels=int(config.get("num_labels") or len(config.get("labels") or []) or 2),
-        loss=config.get("loss"),
+        loss=loss,
+        mini_batch_size=mini,
         lora_rank=config.get("lora_rank"),
         quantization=config.get("quantization"),
         double_quant=config.get("double_quant"),
@@ -559,6 +451,65 @@ def knobs_from_run(run: dict[str, Any], micro_batch_size: int | None) -> Job | N
         effective_batch_size=effective,
         device="cpu" if device.startswith("cpu") else "cuda",
     )
+
+
+def _guard_lines(
+    events: list[dict[str, Any]], last: dict[str, Any], job: Job | None, in_batch: bool
+) -> list[str]:
+    """What the run folder's events say the guard did. ``in_batch``: an in-batch-negatives loss,
+    whose guard lowers the GradCache mini-batch (the rows embedded at once) and keeps the step's
+    batch (``job``'s micro-batch) whole."""
+    size = "mini-batch" if in_batch else "micro-batch"
+    where = f"step {last.get('step')}" + (f" ({last['phase']})" if last.get("phase") else "")
+    if not in_batch:
+        lines = [f"the last at {where} with micro-batch {last.get('micro_batch_size')}"]
+    else:
+        whole = f": the step's batch of {job.micro_batch_size} stays whole" if job else ""
+        lines = [
+            f"the last at {where} with {last.get('micro_batch_size')} rows embedded at once "
+            f"(in-batch negatives{whole})"
+        ]
+    for event in events:
+        step = f"step {event.get('step')}"
+        if event.get("type") == "backoff":
+            if "cure" in event:
+                lines.append(f"{step}: the guard switched on {event['cure']}")
+            elif event.get("max_tokens_from") is not None:
+                lines.append(
+                    f"{step}: the guard backed off the token budget from "
+                    f"{event['max_tokens_from']} to {event.get('max_tokens_to')} tokens"
+                )
+            elif in_batch:
+                lines.append(
+                    f"{step}: the guard lowered the GradCache mini-batch from {event.get('from')} "
+                    f"to {event.get('to')} (the step's batch kept whole) and re-ran the step"
+                )
+            else:
+                lines.append(
+                    f"{step}: the guard backed off from micro-batch "
+                    f"{event.get('from')} to {event.get('to')} and re-ran the step"
+                )
+        elif event.get("type") == "probe" and event.get("ooms"):
+            lines.append(
+                f"the probe (step 0, the longest rows) hit {event['ooms']} OOM(s) and settled on "
+                f"{size} {event.get('micro_batch_size')}"
+            )
+        elif event.get("type") == "grow":
+            lines.append(f"{step}: the guard grew the {size} to {event.get('to')}")
+        elif event.get("reason"):
+            lines.append(f"{step}: {event['reason']}")
+    return lines
+
+
+def _shapes_line(job: FailedJob, run: dict[str, Any]) -> str:
+    """Which sequence length the fixes are priced at, and where it was read."""
+    line = f"fixes priced at {job.seq_len} tokens per row, from {job.seq_len_source}"
+    if job.longest_tokens is not None:
+        line += f"; the data's longest row has {job.longest_tokens} tokens"
+    allowed = (run.get("config") or {}).get("max_seq_len")
+    if allowed and int(allowed) != job.seq_len:
+        line += f" (--max-seq-len {allowed} is only the limit rows were cut to)"
+    return line
 
 
 def from_run_dir(path: str) -> Diagnosis:
@@ -582,46 +533,25 @@ def from_run_dir(path: str) -> Diagnosis:
     report = parse_oom(str(last.get("error") or "")) or OomReport(
         kind="unknown", message=str(last.get("error") or "")
     )
-    context = [f"{len(ooms)} out-of-memory event{'s' if len(ooms) != 1 else ''} in {events_file}"]
-    where = f"step {last.get('step')}" + (f" ({last['phase']})" if last.get("phase") else "")
-    context.append(f"the last at {where} with micro-batch {last.get('micro_batch_size')}")
-    for event in events:
-        if event.get("type") == "backoff":
-            if "cure" in event:
-                context.append(f"step {event.get('step')}: the guard switched on {event['cure']}")
-            elif event.get("max_tokens_from") is not None:
-                context.append(
-                    f"step {event.get('step')}: the guard backed off the token budget from "
-                    f"{event['max_tokens_from']} to {event.get('max_tokens_to')} tokens"
-                )
-            else:
-                context.append(
-                    f"step {event.get('step')}: the guard backed off from micro-batch "
-                    f"{event.get('from')} to {event.get('to')} and re-ran the step"
-                )
-        elif event.get("type") == "probe" and event.get("ooms"):
-            context.append(
-                f"the probe (step 0, the longest rows) hit {event['ooms']} OOM(s) and settled on "
-                f"micro-batch {event.get('micro_batch_size')}"
-            )
-        elif event.get("type") == "grow":
-            context.append(
-                f"step {event.get('step')}: the guard grew the micro-batch to {event.get('to')}"
-            )
-        elif event.get("reason"):
-            context.append(f"step {event.get('step')}: {event['reason']}")
-    knobs = None
+    run: dict[str, Any] = {}
     run_file = folder / "run.json"
     if run_file.is_file():
         try:
             run = json.loads(run_file.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise UsageError(f"{run_file}: not JSON ({exc.msg})") from None
-        knobs = knobs_from_run(run, last.get("micro_batch_size"))
-        if knobs is None:
-            context.append(f"saves_bytes unknown: {run_file} does not name the model and task")
-    else:
+    knobs = knobs_from_run(run, last.get("micro_batch_size"), events) if run else None
+    in_batch = knobs is not None and loss_of(knobs) in IN_BATCH_NEGATIVE_LOSSES
+    # newer run folders name what the guard lowered on each event
+    in_batch = in_batch or any(e.get("what") == "mini_batch" for e in ooms)
+    context = [f"{len(ooms)} out-of-memory event{'s' if len(ooms) != 1 else ''} in {events_file}"]
+    context += _guard_lines(events, last, knobs, in_batch)
+    if not run:
         context.append(f"saves_bytes unknown: {folder} has no run.json")
+    elif knobs is None:
+        context.append(f"saves_bytes unknown: {run_file} does not name the model and task")
+    else:
+        context.append(_shapes_line(knobs, run))
     return diagnose(
         report,
         knobs=knobs,

@@ -44,10 +44,10 @@ INHERITED_HELP: dict[str, str | None] = {
     "model": "A Hub id (cached), a model folder or a sentence-transformers folder.",
     "task": "classification | causal-lm | sentence-embedding",
     "num_labels": "classification: labels are the integers 0…N-1.",
-    "loss": "sentence-embedding: mnrl (default) | cached-mnrl",
+    "loss": "sentence-embedding: mnrl | cached-mnrl",
     "seq_len": None,
     "max_seq_len": "Plan key: truncate to this many tokens.",
-    "effective_batch_size": "Samples per optimizer step (default 32).",
+    "effective_batch_size": "Samples per optimizer step, over all ranks.",
     "micro_batch_size": "Plan key: samples per micro-batch.",
     "gradient_accumulation_steps": "Plan key (follows from the micro-batch).",
     "mini_batch_size": "Plan key: cached-mnrl mini-batch.",
@@ -61,9 +61,19 @@ INHERITED_HELP: dict[str, str | None] = {
     "attn_implementation": None,
     "lora_rank": "Train peft LoRA adapters of this rank (the base stays frozen).",
     "lora_target_modules": (
-        "LoRA targets, comma-separated: attention (default), mlp, module names, or all-linear."
+        "LoRA targets, comma-separated: attention, mlp, module names, or all-linear."
     ),
-    "device": "cuda | cpu (default: cuda if present).",
+    "device": "cuda | cpu",
+}
+# the default memfit train's help shows ([default: …]) where a field's own is None: decided when
+# the run starts; a field not named here shows its default (when it has one)
+SHOWN_DEFAULTS: dict[str, str] = {
+    "effective_batch_size": "micro-batch × accumulation steps × ranks when the micro-batch "
+    f"is given, else {Job.effective_batch_size}",
+    "loss": "mnrl",
+    "lora_target_modules": "attention",
+    "device": "cuda if present",
+    "cache_dir": "the datasets cache",
 }
 
 
@@ -75,7 +85,11 @@ class TrainConfig(Job):
     None there means "planned before step 0, or the default". The fields below are the run's.
     """
 
-    train_file: str = knob("Training data: .csv/.tsv/.jsonl/.json.", required=True)
+    train_file: str = knob(
+        "Training data: .csv/.tsv/.jsonl/.json/.parquet (.gz for text), a folder of them, or a "
+        "datasets save_to_disk folder.",
+        required=True,
+    )
     """The training rows: a file or a folder of them."""
     output_dir: str = knob("The run folder.", required=True)
     """The run folder: model/, checkpoints/, metrics.jsonl, events.jsonl, run.json."""
@@ -97,19 +111,19 @@ class TrainConfig(Job):
         "tokenizer's chat template; loss on the assistant turns only."
     )
     packing: bool = knob("causal-lm: pack texts into full blocks.", negatable=True, default=False)
-    epochs: int = knob("Passes over the data (default 1).", minimum=1, default=1)
+    epochs: int = knob("Passes over the data.", minimum=1, default=1)
     max_steps: int | None = knob("Optimizer steps (instead of --epochs).", minimum=1)
-    lr: float = knob("Peak learning rate (default 5e-5).", finite=True, default=5e-5)
-    weight_decay: float = knob("AdamW weight decay (default 0).", finite=True, default=0.0)
-    warmup_ratio: float = knob("Share of steps warming up (default 0).", finite=True, default=0.0)
+    lr: float = knob("Peak learning rate.", finite=True, default=5e-5)
+    weight_decay: float = knob("AdamW weight decay.", finite=True, default=0.0)
+    warmup_ratio: float = knob("Share of steps warming up.", finite=True, default=0.0)
     lr_scheduler: str = knob("linear | cosine | constant", choices=SCHEDULERS, default="linear")
     max_grad_norm: float | None = knob(
-        "Clip the whole step's gradient (default 1.0; 0: off).",
+        "Clip the whole step's gradient (0: off).",
         finite=True,
         zero_is_none=True,
         default=1.0,
     )
-    seed: int = knob("Random seed (default 42).", default=42)
+    seed: int = knob("Random seed.", default=42)
     gpu_memory: int | None = knob("Plan for this budget, e.g. 16GiB.", size=True)
     """The plan's budget in bytes (None: the GPU's free memory)."""
     memory_cap: int | None = knob("Behave as if the device had only this much memory.", size=True)
@@ -141,7 +155,7 @@ class TrainConfig(Job):
         default=False,
     )
     """Skip bad rows (listed in DIR/skipped_rows.jsonl) rather than refuse the data."""
-    cache_dir: str | None = knob("Where tokenized data is cached (default: the datasets cache).")
+    cache_dir: str | None = knob("Where tokenized data is cached.")
     """Tokenized data; default: the Hugging Face datasets cache."""
     group_by_length: bool = knob(
         "Steps of similar-length samples: less padding.", negatable=True, default=False
@@ -153,7 +167,7 @@ class TrainConfig(Job):
     )
     """One step on the longest samples before step 1, undone afterwards."""
     padding: str = knob(
-        "longest (dynamic, default) | max_length (pad to --max-seq-len).",
+        "longest (dynamic) | max_length (pad to --max-seq-len).",
         choices=PADDINGS,
         default="longest",
     )
@@ -166,7 +180,7 @@ class TrainConfig(Job):
     """CUDA: record the allocator's history and dump a snapshot (DIR/memory-snapshots/) at each
     caught OOM, for PyTorch's memory viewer (https://pytorch.org/memory_viz)."""
     report_to: str = knob(
-        "tensorboard | wandb | none (default): step, memory and guard figures there too.",
+        "tensorboard | wandb | none: step, memory and guard figures there too.",
         default="none",
     )
     """The step, eval and guard figures also to tensorboard and/or wandb (comma-separated; rank 0
@@ -223,6 +237,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
         # in-batch negatives: one pair per step has none (a loss of 0)
         problems.extend(batch_problems(cfg.loss or "mnrl", int(cfg.effective_batch_size)))
+    if cfg.task == "sentence-embedding":
+        from memfit.extras import problems as missing_packages
+
+        # the recipe trains a SentenceTransformer with sentence-transformers' losses
+        problems.extend(missing_packages([("sentence_transformers", "--task sentence-embedding")]))
     from memfit.data.instructions import flag_problems
 
     # prompt/completion and chat rows: causal-lm only, the two columns together, no packing

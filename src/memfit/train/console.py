@@ -9,25 +9,31 @@ from typing import Any
 def describe(event: dict[str, Any]) -> str:
     """A guard event (oom, backoff, grow) in one line for the terminal."""
     step = event.get("step")
+    # the size the guard adapts: rows per micro-batch, or per GradCache mini-batch where the
+    # recipe takes the whole step at once (in-batch negatives)
+    unit = "GradCache mini-batch" if event.get("what") == "mini_batch" else "micro-batch"
     if event["type"] == "oom":
         if event.get("phase") == "optimizer":
             return f"out of memory in the optimizer step of step {step}"
-        where = f"micro-batch {event.get('micro_batch_size')}"
+        where = f"{unit} {event.get('micro_batch_size')}"
         if event.get("max_tokens") is not None:
             where += f" ({event.get('padded_tokens')} tokens, budget {event['max_tokens']})"
         return f"out of memory at step {step} with {where}"
     if event["type"] == "backoff":
         if event.get("cure"):
-            return f"step {step}: {event['cure']} on, micro-batch 1, step re-run from its start"
+            return f"step {step}: {event['cure']} on, {unit} 1, step re-run from its start"
         if "max_tokens_to" in event:
             return (
                 f"step {step}: token budget {event['max_tokens_from']} → "
                 f"{event['max_tokens_to']}, step re-run from its start"
             )
-        return f"step {step}: micro-batch {event.get('from')} → {event.get('to')}, step re-run from its start"
+        return (
+            f"step {step}: {unit} {event.get('from')} → {event.get('to')}, "
+            "step re-run from its start"
+        )
     if "max_tokens_to" in event:
         return f"step {step}: trying a token budget of {event['max_tokens_to']}"
-    return f"step {step}: trying micro-batch {event.get('to')}"
+    return f"step {step}: trying {unit} {event.get('to')}"
 
 
 def say(text: str) -> None:
@@ -60,8 +66,8 @@ class Progress:
         peak = record.get("peak_bytes")
         info = (
             f"loss {record['loss']:.4f}  {record.get('samples_per_second') or 0:.1f} samples/s  "
-            f"micro {record['micro_batch_size']}"
-            + (f"  peak {peak / 2**20:.0f} MiB" if peak else "")
+            f"{'mini' if record.get('what') == 'mini_batch' else 'micro'} "
+            f"{record['micro_batch_size']}" + (f"  peak {peak / 2**20:.0f} MiB" if peak else "")
         )
         if self._bar is not None:
             self._bar.update(self._task, completed=record["step"], info=info)

@@ -20,11 +20,12 @@ the largest rank's peak).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any, Protocol
+
+from memfit.extras import is_installed
 
 REPORTERS = ("tensorboard", "wandb")
 _INSTALL = {
@@ -61,7 +62,7 @@ def report_problems(value: Any) -> list[str]:
 
 def _installed(name: str) -> bool:
     # found, not imported: wandb and tensorboard take seconds to import
-    return importlib.util.find_spec(name) is not None
+    return is_installed(name)
 
 
 class Reporter(Protocol):

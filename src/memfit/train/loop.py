@@ -25,6 +25,7 @@ from memfit.data.batching import length_grouped_order
 from memfit.data.rows import Row
 from memfit.errors import NothingFitsError, TrainingStoppedError
 from memfit.guard.oom import CatchOom
+from memfit.guard.policy import optimizer_stop
 from memfit.train import checkpoint as ck
 from memfit.train.config import TrainResult
 from memfit.train.console import Progress, say
@@ -135,6 +136,12 @@ class TrainingRun(RunSetup):
                 "eval_rows": len(self.eval_rows) if self.eval_rows is not None else 0,
                 "skipped_rows": len(self.skipped),
                 "max_tokens_per_micro_batch": self.max_tokens,
+                # the data's longest row in tokens (truncated, special tokens in) and the width
+                # of the micro-batch that holds it: the shapes the run feeds at its largest
+                "longest_tokens": max(self.lengths) if self.lengths else None,
+                "seq_len": (self.recipe.padded_width(max(self.lengths)) if self.lengths else None),
+                # an epoch's last step: short when the rows are not a multiple of the step
+                "last_step_rows": self.rows_n % self.per_step or self.per_step,
                 "pad_to_multiple_of": self.recipe.pad_multiple,
                 "group_by_length": self.cfg.group_by_length,
                 "world_size": self.world,
@@ -150,6 +157,19 @@ class TrainingRun(RunSetup):
             from memfit.train import runfolder
 
             runfolder.write_json(self.out / "run.json", self.run_json)
+        self.note_short_last_step()
+
+    def note_short_last_step(self) -> None:
+        """One line when the run has short epoch ends that weaken its loss (in-batch negatives:
+        the recipe says what they do); the pairs are still trained on, never dropped."""
+        note_of = getattr(self.recipe, "short_step_note", None)
+        if note_of is None or not self.main or self.cfg.quiet:
+            return
+        if self.total_steps < self.steps_per_epoch:
+            return  # the run ends before any epoch does
+        note = note_of(self.rows_n, self.per_step)
+        if note:
+            say(f"memfit: {note}")
 
     # --- the steps ------------------------------------------------------------------------------
     def permutation(self, epoch: int) -> list[int]:
@@ -219,6 +239,10 @@ class TrainingRun(RunSetup):
             "seconds": round(seconds, 4),
             "samples_per_second": round(len(rows) / seconds, 2) if seconds > 0 else None,
         }
+        if not self.recipe.splittable:
+            # the loss takes the whole step; micro_batch_size is its GradCache mini-batch (as in
+            # the guard's events)
+            record["what"] = "mini_batch"
         if self.ranks is not None:
             record["world_size"] = self.world
             record["rank_peak_bytes"] = rank_peaks
@@ -384,16 +408,14 @@ class TrainingRun(RunSetup):
             error = "another rank ran out of memory in its optimizer step"
         if error is None:
             return
-        self.on_event({"type": "oom", "step": number, "phase": "optimizer", "error": error})
-        self.on_event(
-            {"type": "stop", "step": self.step, "reason": "the optimizer step does not fit"}
-        )
-        raise NothingFitsError(
-            f"step {number}: the optimizer step runs out of memory ({error}). It holds the "
-            "weights, their gradients and the optimizer state whatever the micro-batch: try "
-            "--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, "
+        raise optimizer_stop(
+            number,
+            error,
+            emit=self.on_event,
+            stop_step=self.step,
+            cures="--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, "
             + ("--sharding fsdp, " if ranks is not None and self.sharded is None else "")
-            + "or more memory"
+            + "or more memory",
         )
 
     def stop_not_finite(self, number: int, bad: list[str]) -> None:

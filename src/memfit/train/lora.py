@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from memfit.errors import UsageError
+from memfit.extras import require
 from memfit.train.quantization import (
     holds_quantized_weights,
     merged_unquantized,
@@ -65,10 +66,7 @@ def _quiet_peft() -> Iterator[None]:
 def add_lora(recipe: Any, cfg: Any) -> None:
     """Put LoRA adapters of rank ``cfg.lora_rank`` on the recipe's model (before it moves to its
     device): the base is frozen, only the adapters (and a classifier's head) train."""
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise UsageError("--lora-rank: LoRA needs peft (pip install 'memfit[all]')") from None
+    require("peft", "--lora-rank")
     from memfit.estimate.workload import StepSpec, lora_config, with_lora
 
     targets = tuple(cfg.lora_target_modules or ())

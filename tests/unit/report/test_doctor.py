@@ -16,6 +16,7 @@ from memfit.cli import main
 from memfit.errors import UsageError
 from memfit.report.doctor import diagnose, failed_job, from_run_dir
 from memfit.report.oom_message import parse_oom
+from memfit.units import size_arg
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -258,7 +259,10 @@ def test_fragmentation_ranks_expandable_segments_first() -> None:
     assert old is not None
     fixes = diagnose(old).to_dict()["fixes"]
     assert [f["lever"] for f in fixes][:3] == ["micro_batch", "precision", "gradient_checkpointing"]
-    assert fixes[-1]["lever"] == "plan" and f"--gpu-memory {b(11.17, GiB)}" in fixes[-1]["change"]
+    assert (
+        fixes[-1]["lever"] == "plan"
+        and f"--gpu-memory {size_arg(b(11.17, GiB))}" in fixes[-1]["change"]
+    )
 
 
 def test_non_pytorch_memory_is_named() -> None:

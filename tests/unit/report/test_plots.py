@@ -82,7 +82,8 @@ def test_memory_plot_marks_events_and_budget() -> None:
     assert list(lines["oom:micro_batch_size"].get_ydata()) == [8, 8]
     assert fig.axes[0].get_xlim()[0] < 0  # step 0 (the probe) is in view
     texts = [t.get_text() for t in fig.axes[0].texts]
-    assert "OOM at mb 8" in texts and "back-off mb 8→4" in texts
+    # the test's CUDA messages give no sizes: the marks say so
+    assert "OOM at mb 8 (size not in its message)" in texts and "back-off mb 8→4" in texts
     assert "budget 4096→2048 tok" in texts
 
 

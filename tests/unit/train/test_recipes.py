@@ -353,11 +353,11 @@ def test_sentence_embedding_eval_and_save(minilm_dir: str, tmp_path: Path) -> No
     recipe.model.eval()
     with torch.no_grad():
         partials = [recipe.eval_partial(rows[:3]), recipe.eval_partial(rows[3:])]
-    anchors = torch.cat([p[0] for p in partials])
+    anchors = torch.cat([p[2] for p in partials])
     assert anchors.device.type == "cpu" and anchors.shape[0] == 7
     metrics = recipe.eval_reduce(partials)
     assert metrics["retrieval_accuracy"] == pytest.approx(
-        retrieval_accuracy(anchors, torch.cat([p[1] for p in partials]))
+        retrieval_accuracy(anchors, torch.cat([p[3] for p in partials]))
     )
     assert metrics["retrieval_accuracy"] >= 5 / 7  # a trained model gets these paraphrases right
 

@@ -45,13 +45,84 @@ def batch_problems(loss: str, effective_batch_size: int) -> list[str]:
 
 
 def retrieval_accuracy(anchors: torch.Tensor, positives: torch.Tensor) -> float:
-    """Share of anchors whose most cosine-similar positive (among all) is their own."""
+    """Share of anchors whose most cosine-similar positive (among all) is their own (row i's).
+
+    The eval's ``retrieval_accuracy`` is :func:`information_retrieval`'s ``accuracy@1``: the same
+    figure where anchors and positives are unique, and well posed where they are not."""
     if len(anchors) == 0:
         return 0.0
     a = torch.nn.functional.normalize(anchors.float(), dim=-1)
     p = torch.nn.functional.normalize(positives.float(), dim=-1)
     best = (a @ p.T).argmax(dim=-1)
     return float((best == torch.arange(len(a))).float().mean())
+
+
+# the figures the eval reports, as sentence-transformers' InformationRetrievalEvaluator names them
+IR_CUTOFFS = {"accuracy@k": 1, "mrr@k": 10, "ndcg@k": 10}
+
+
+def information_retrieval(
+    anchors: Sequence[str],
+    positives: Sequence[str],
+    anchor_embeddings: torch.Tensor,
+    positive_embeddings: torch.Tensor,
+) -> dict[str, float]:
+    """The eval pairs as sentence-transformers' ``InformationRetrievalEvaluator`` sees them:
+    the queries are the distinct anchors, the corpus the distinct positives, a query's relevant
+    documents every positive it is paired with; documents ranked by cosine similarity (ties by
+    corpus order). Returns ``accuracy@1``, ``mrr@10`` and ``ndcg@10``, computed by the
+    evaluator's own ``compute_metrics``."""
+    from sentence_transformers.util import cos_sim
+
+    queries: dict[str, int] = {}  # text -> the row of its first occurrence
+    corpus: dict[str, int] = {}
+    relevant: dict[str, set[str]] = {}
+    for row, (anchor, positive) in enumerate(zip(anchors, positives, strict=True)):
+        queries.setdefault(anchor, row)
+        corpus.setdefault(positive, row)
+    # ids whose string order is the corpus order (the evaluator breaks ties by id)
+    width = len(str(len(corpus)))
+    corpus_ids = {text: f"{i:0{width}d}" for i, text in enumerate(corpus)}
+    query_ids = {text: f"{i:0{width}d}" for i, text in enumerate(queries)}
+    for anchor, positive in zip(anchors, positives, strict=True):
+        relevant.setdefault(query_ids[anchor], set()).add(corpus_ids[positive])
+    if not queries:
+        return {f"{name.split('@')[0]}@{k}": 0.0 for name, k in IR_CUTOFFS.items()}
+    scores = cos_sim(
+        anchor_embeddings[list(queries.values())].float(),
+        positive_embeddings[list(corpus.values())].float(),
+    )
+    top_k = min(max(IR_CUTOFFS.values()), len(corpus))
+    # a stable sort: equal scores keep the corpus order
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top_k]
+    ids = list(corpus_ids.values())
+    hits = [
+        [{"corpus_id": ids[j], "score": float(scores[i, j])} for j in row.tolist()]
+        for i, row in enumerate(order)
+    ]
+    evaluator = _ir_evaluator_class()(
+        queries={qid: text for text, qid in query_ids.items()},
+        corpus={cid: text for text, cid in corpus_ids.items()},
+        relevant_docs=relevant,
+        accuracy_at_k=[IR_CUTOFFS["accuracy@k"]],
+        precision_recall_at_k=[IR_CUTOFFS["accuracy@k"]],
+        mrr_at_k=[IR_CUTOFFS["mrr@k"]],
+        ndcg_at_k=[IR_CUTOFFS["ndcg@k"]],
+        map_at_k=[IR_CUTOFFS["ndcg@k"]],
+        write_csv=False,
+    )
+    result = evaluator.compute_metrics(hits)
+    return {f"{name.split('@')[0]}@{k}": float(result[name][k]) for name, k in IR_CUTOFFS.items()}
+
+
+def _ir_evaluator_class() -> Any:
+    """``InformationRetrievalEvaluator`` (``sentence_transformers.evaluation`` in v3-5, under
+    ``sentence_transformer`` in v6)."""
+    try:
+        module = importlib.import_module("sentence_transformers.sentence_transformer.evaluation")
+    except ImportError:
+        module = importlib.import_module("sentence_transformers.evaluation")
+    return module.InformationRetrievalEvaluator
 
 
 def _losses_module() -> Any:
@@ -124,6 +195,32 @@ class SentenceEmbeddingRecipe(Recipe):
         self.max_seq_len = max_seq_len
         self.device = torch.device("cpu")
         self._losses: dict[int | None, torch.nn.Module] = {}
+
+    def short_step_note(self, rows: int, per_step: int) -> str | None:
+        """What the short last step of an epoch (``rows`` not a multiple of ``per_step``) does to
+        in-batch negatives, and how to avoid it; None when every step is full. The step is kept:
+        dropping its pairs (``dataloader_drop_last``) would leave them untrained every epoch."""
+        left = rows % per_step
+        if not left or self.loss_name not in IN_BATCH_NEGATIVES:
+            return None
+        negatives = (
+            "no in-batch negative: its loss is 0 and it learns nothing"
+            if left == 1
+            else f"{left - 1} in-batch negatives instead of {per_step - 1}: its loss is lower "
+            "and its gradient weaker than a full step's"
+        )
+        # a step size near this one that leaves no short step
+        near = [d for d in range(max(2, per_step // 2), per_step * 2 + 1) if rows % d == 0]
+        cure = (
+            f"--effective-batch-size {min(near, key=lambda d: abs(d - per_step))} or "
+            if near
+            else ""
+        )
+        return (
+            f"the last step of each epoch holds only {left} of {per_step} pairs ({rows} rows): "
+            f"--loss {self.loss_name} gives its anchors {negatives}. Every pair is still trained "
+            f"on; for full steps use {cure}a multiple of {per_step} rows"
+        )
 
     def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
         columns = [Column(self.anchor_column), Column(self.positive_column)]
@@ -208,16 +305,32 @@ class SentenceEmbeddingRecipe(Recipe):
         # loss's backward hook receives this factor as its grad_output, so it reaches every replay
         return module(features, None) * (len(rows) / total_units)
 
-    def eval_partial(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_partial(
+        self, rows: Sequence[Row]
+    ) -> tuple[list[str], list[str], torch.Tensor, torch.Tensor]:
         anchors = self.model(self._features(rows, self.anchor_column))["sentence_embedding"]
         positives = self.model(self._features(rows, self.positive_column))["sentence_embedding"]
-        # on the CPU: the eval set's embeddings are kept until eval_reduce, not on the GPU
-        return anchors.float().cpu(), positives.float().cpu()
+        # on the CPU: the eval set's embeddings are kept until eval_reduce, not on the GPU; the
+        # texts say which rows share a query or a document
+        return (
+            [text_of(row, self.anchor_column) for row in rows],
+            [text_of(row, self.positive_column) for row in rows],
+            anchors.float().cpu(),
+            positives.float().cpu(),
+        )
 
     def eval_reduce(self, partials: list[Any]) -> dict[str, float]:
-        anchors = torch.cat([part[0] for part in partials])
-        positives = torch.cat([part[1] for part in partials])
-        return {"retrieval_accuracy": retrieval_accuracy(anchors, positives)}
+        """Retrieval over the eval set (:func:`information_retrieval`); ``retrieval_accuracy``
+        (the name metrics.jsonl has always had) is its ``accuracy@1``."""
+        if not partials:
+            return {}
+        metrics = information_retrieval(
+            [text for part in partials for text in part[0]],
+            [text for part in partials for text in part[1]],
+            torch.cat([part[2] for part in partials]),
+            torch.cat([part[3] for part in partials]),
+        )
+        return {"retrieval_accuracy": metrics["accuracy@1"], **metrics}
 
     def save(self, folder: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         if state_dict is not None:
