@@ -79,7 +79,9 @@ def size_arg(num_bytes: int) -> str:
     num_bytes = int(num_bytes)
     for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= factor:
-            hundredths = num_bytes * 100 // factor
+            # from the hundredth above: a size read from a two-decimal figure (14.56 GiB, an OOM
+            # message's) is a hair below it, and must print as itself, not 14.55
+            hundredths = -(-num_bytes * 100 // factor)
             while hundredths > 0:
                 text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
                 if parse_size(f"{text}{unit}") <= num_bytes:

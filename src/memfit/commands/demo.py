@@ -20,7 +20,8 @@ from memfit.units import format_bytes, parse_size, size_arg
 
 
 def demo_command() -> None:
-    """Estimate a known fine-tuning job (bert-base-uncased on a 16 GiB GPU), then plan it into 4 GiB."""
+    """Estimate and plan a known job (bert-base-uncased), then fine-tune all-MiniLM-L6-v2 under
+    a memory cap that forces an out-of-memory error, and write its report page."""
     # its training step's packages, before the estimate and the plan take their seconds
     if problem := verb_problem("memfit demo", DEMO, "demo"):
         raise UsageError(problem)

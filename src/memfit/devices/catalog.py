@@ -49,6 +49,13 @@ class Gpu:
         """``a T4's``, ``an RTX 3060 12GB's``: for verdicts such as "fits in a T4's 14.56 GiB"."""
         return f"{_article(self.short_name)} {self.short_name}'s"
 
+    def budget_words(self, size: str, *, is_its_memory: bool) -> str:
+        """A budget of ``size`` (formatted) on this GPU as a verdict says it: ``a T4's 14.56 GiB``
+        (its memory), ``12.00 GiB on a T4`` (another budget on it)."""
+        if is_its_memory:
+            return f"{self.possessive} {size}"
+        return f"{size} on {_article(self.short_name)} {self.short_name}"
+
     @property
     def capability(self) -> str:
         """``sm75`` for compute capability 7.5."""

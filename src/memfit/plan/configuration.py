@@ -205,9 +205,7 @@ class Plan:
         size = format_bytes(self.budget_bytes)
         if card is None:
             return size
-        if card.memory_bytes == self.budget_bytes:
-            return f"{card.possessive} {size}"
-        return f"{size} on {card.possessive.split(' ', 1)[0]} {card.short_name}"
+        return card.budget_words(size, is_its_memory=card.memory_bytes == self.budget_bytes)
 
     def _budget_flags(self) -> list[str]:
         """``--gpu NAME`` when the budget is that card's memory, else ``--gpu-memory SIZE`` (a

@@ -511,7 +511,7 @@ def _resolve_budget(
         gpu_name = card.id
         if budget is None:
             budget = card.memory_bytes
-            notes.append(f"Budget: the {card.name}'s {format_bytes(budget)}.")
+            notes.append(f"Budget: {card.possessive} {format_bytes(budget)}.")
     elif budget is None:
         found = detect_gpu()
         if found is None:

@@ -69,13 +69,13 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
 def budget_words(budget_bytes: int, gpu: dict[str, Any] | None) -> str:
     """The budget of a verdict, naming the ``--gpu`` card: ``a T4's 14.56 GiB`` (its memory),
     ``12.00 GiB on a T4`` (--gpu-memory with it), ``16.00 GiB`` (--gpu-memory alone)."""
+    from memfit.devices.catalog import catalog
+
     size = format_bytes(budget_bytes)
-    if not gpu:
+    card = catalog().get(str(gpu.get("id"))) if gpu else None
+    if card is None:
         return size
-    if gpu.get("budget_is_gpu_memory"):
-        return f"{gpu['possessive']} {size}"
-    article = str(gpu["possessive"]).split(" ", 1)[0]
-    return f"{size} on {article} {gpu['name']}"
+    return card.budget_words(size, is_its_memory=bool(gpu and gpu.get("budget_is_gpu_memory")))
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:

@@ -260,7 +260,6 @@ def diagnose(
     ``saves_bytes`` null with a line saying why, instead of raising ``UsageError``.
     """
     lines = explain(report) + list(context or [])
-    cuda = report.kind in ("cuda-new", "cuda-old", "cuda-bare")
     fixes: list[Fix] = []
     if is_fragmented(report):
         fixes.append(
@@ -314,11 +313,15 @@ def diagnose(
                 lever="mps_watermark",
             )
         )
-    fixes.append(_plan_fix(report, knobs, cuda))
+    if report.kind in ("cpu", "memfit-cap"):
+        # memfit plan prices a GPU (its runtime, its kernels): no answer for a CPU process
+        lines.append("not proposed: memfit plan — it plans for a GPU's memory, not the CPU's")
+    else:
+        fixes.append(_plan_fix(report, knobs))
     return Diagnosis(report=report, diagnosis=lines, fixes=fixes, source=source, knobs=knobs)
 
 
-def _plan_fix(report: OomReport, knobs: Job | None, cuda: bool) -> Fix:
+def _plan_fix(report: OomReport, knobs: Job | None) -> Fix:
     """The command that searches every lever at once for this budget."""
     parts = ["memfit plan", knobs.model if knobs else "MODEL"]
     parts += ["--task", knobs.task if knobs else "TASK"]

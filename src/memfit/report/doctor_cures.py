@@ -224,15 +224,14 @@ def _truncation_cure(
 
 def gpu_of(report: OomReport) -> Gpu | None:
     """The catalog GPU whose memory, as CUDA reports it, is the message's capacity (printed with
-    two decimals); None when none is, or when GPUs of that size differ in bf16."""
+    two decimals); None when none is, or when several are."""
     capacity = report.capacity_bytes
     if capacity is None or report.kind not in ("cuda-new", "cuda-old"):
         return None
     # the message rounds to a hundredth of its unit: within half of it (GiB for these sizes)
     close = [g for g in catalog().values() if abs(g.memory_bytes - capacity) <= (1 << 30) // 200]
-    if not close or len({g.bf16 for g in close}) > 1:
-        return None
-    return close[0]
+    # several cards of one size (a 3060 12GB, a 3080 12GB, a 4070): none named
+    return close[0] if len(close) == 1 else None
 
 
 def _could_quantize(job: Job) -> bool:

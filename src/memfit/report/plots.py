@@ -332,11 +332,14 @@ def _draw_micro_batch(
     steps: Sequence[Mapping[str, Any]],
     by_type: Mapping[str, Sequence[Mapping[str, Any]]],
 ) -> None:
-    """The micro-batch size per step, the events' steps, and the micro-batches that ran out."""
+    """The micro-batch size per step, the events' steps, and the micro-batches that ran out
+    (the GradCache mini-batch where the loss takes the whole step: in-batch negatives)."""
+    mini = any(r.get("what") == "mini_batch" for r in [*steps, *by_type.get("oom", [])])
+    unit = "GradCache mini-batch" if mini else "micro-batch"
     xs, ys = _series(steps, "micro_batch_size")
     if xs:
         batch_ax.step(
-            xs, ys, where="mid", color="#444444", label="micro-batch size", gid="micro_batch_size"
+            xs, ys, where="mid", color="#444444", label=f"{unit} size", gid="micro_batch_size"
         )
         batch_ax.set_ylim(bottom=0, top=max(ys) * 1.25)
     for kind in ("oom", "backoff", "grow"):
@@ -356,7 +359,7 @@ def _draw_micro_batch(
             marker="X",
             color=EVENT_STYLES["oom"][0],
             markeredgecolor="black",
-            label="micro-batch that ran out of memory",
+            label=f"{unit} that ran out of memory",
             gid="oom:micro_batch_size",
         )
         batch_ax.set_ylim(bottom=0, top=max([*ys, *(t[1] for t in tried)]) * 1.25)
@@ -364,7 +367,7 @@ def _draw_micro_batch(
         batch_ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     batch_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     batch_ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
-    batch_ax.set_ylabel("micro-batch")
+    batch_ax.set_ylabel("mini-batch" if mini else "micro-batch")
     batch_ax.set_xlabel("optimizer step (0: the probe)" if "probe" in by_type else "optimizer step")
     batch_ax.grid(alpha=0.3)
 

@@ -413,7 +413,7 @@ class TrainingRun(RunSetup):
             error,
             emit=self.on_event,
             stop_step=self.step,
-            cures="--optimizer adafactor (or adamw-8bit on CUDA), --lora-rank 8, "
+            cures="--optimizer adafactor (or adamw-8bit), --lora-rank 8, "
             + ("--sharding fsdp, " if ranks is not None and self.sharded is None else "")
             + "or more memory",
         )

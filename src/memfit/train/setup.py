@@ -239,7 +239,8 @@ class RunSetup:
         device = resolve_device(cfg.device)
         if device.type == "cpu" and cfg.precision not in (None, "fp32"):
             raise UsageError(
-                f"--precision: {cfg.precision} mixed precision needs a CUDA GPU; use fp32 on the CPU"
+                f"--precision {cfg.precision} (--{cfg.precision}): mixed precision needs a CUDA "
+                "GPU; use fp32 on the CPU"
             )
         from memfit.runtime import launched_world_size
         from memfit.train.distributed import init_ranks

@@ -122,3 +122,18 @@ def test_possessive_reads_aloud(typed: str, article: str) -> None:
 def test_unknown_gpu_is_a_usage_error_naming_the_flag() -> None:
     with pytest.raises(UsageError, match="--gpu"):
         find_gpu("rtx-9090")
+
+
+def test_a_kaggle_p100_oom_message_is_read_as_the_p100() -> None:
+    # the P100-PCIE-16GB's total (17071734784 bytes) is what its OOM messages print, 15.90 GiB:
+    # the doctor then knows the GPU, and that it has no bf16
+    from memfit.report.doctor_cures import gpu_of
+    from memfit.report.oom_message import parse_oom
+
+    report = parse_oom(
+        "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.90 GiB total capacity; "
+        "14.93 GiB already allocated; 7.75 MiB free; 15.02 GiB reserved in total by PyTorch)"
+    )
+    assert report is not None
+    card = gpu_of(report)
+    assert card is not None and card.id == "p100" and not card.bf16

@@ -17,7 +17,7 @@ from memfit.report.plots import breakdown_plot, memory_plot, training_plot
 MiB = 2**20
 
 
-def _metrics(steps: int = 6, **extra: int) -> list[dict]:
+def _metrics(steps: int = 6, **extra: int | str) -> list[dict]:
     lines: list[dict] = []
     for step in range(1, steps + 1):
         lines.append(
@@ -85,6 +85,19 @@ def test_memory_plot_marks_events_and_budget() -> None:
     # the test's CUDA messages give no sizes: the marks say so
     assert "OOM at mb 8 (size not in its message)" in texts and "back-off mb 8→4" in texts
     assert "budget 4096→2048 tok" in texts
+
+
+def test_memory_plot_names_the_gradcache_mini_batch_where_the_guard_lowered_it() -> None:
+    # in-batch negatives: the step stays whole, the guard lowers the GradCache mini-batch; the
+    # lower panel must not call it a micro-batch
+    events = [{**e, "what": "mini_batch"} if e["type"] in ("oom", "backoff") else e for e in EVENTS]
+    fig = memory_plot(_metrics(what="mini_batch"), events, 128 * MiB)
+    lower = fig.axes[-1]
+    labels = [line.get_label() for line in lower.get_lines()]
+    assert lower.get_ylabel() == "mini-batch"
+    assert "GradCache mini-batch size" in labels and "micro-batch size" not in labels
+    plain = memory_plot(_metrics(), EVENTS, 128 * MiB).axes[-1]
+    assert plain.get_ylabel() == "micro-batch"
 
 
 def test_memory_plot_draws_optional_keys_only_when_present() -> None:
