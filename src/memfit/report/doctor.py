@@ -565,7 +565,7 @@ def from_run_dir(path: str) -> Diagnosis:
 
 
 def format_text(result: Diagnosis) -> str:
-    """The readable report: numbers, the diagnosis, the fixes best first."""
+    """The readable report: numbers, the diagnosis, the fixes cheapest first."""
     labels = {
         "requested_bytes": "requested",
         "capacity_bytes": "capacity" if result.report.kind != "mps" else "max allowed",
@@ -582,7 +582,7 @@ def format_text(result: Diagnosis) -> str:
             out.append(f"  {labels[key]:<24}{format_bytes(value):>12}")
     out.append("diagnosis:")
     out += [f"  - {line}" for line in diagnosis]
-    out.append("fixes, best first:")
+    out.append("fixes, cheapest first (the order memfit plan tries them):")
     for number, fix in enumerate(result.fixes, 1):
         saves = "" if fix.saves_bytes is None else f" — saves {format_bytes(fix.saves_bytes)}"
         out.append(f"  {number}. {fix.change}{saves}")
