@@ -370,15 +370,9 @@ _CUTLASS_B_F32: _KernelTiles = (
     (128, 64, 65536),
     (64, 64, 65536),
 )
-# sm70-79 (V100, T4): f16 with or without dropout (dispatch_cutlassB_f16_sm70 / _sm75)
-_CUTLASS_B_HALF_SM70_79: _KernelTiles = (
-    (64, 64, 32),
-    (64, 64, 64),
-    (128, 64, 128),
-    (64, 64, 128),
-    (128, 64, 65536),
-    (64, 64, 65536),
-)
+# sm70-79 (V100, T4): f16 with or without dropout (dispatch_cutlassB_f16_sm70 / _sm75) launches
+# the same tiles as sm80's f32
+_CUTLASS_B_HALF_SM70_79 = _CUTLASS_B_F32
 # sm50-69 (P100) f16 and f32, and sm70-79 f32: 64 x 64 tiles only
 _CUTLASS_B_64: _KernelTiles = (
     (64, 64, 32),

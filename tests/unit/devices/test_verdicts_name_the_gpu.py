@@ -7,20 +7,10 @@ import re
 
 import pytest
 
-from memfit.cli import main
+from cli_run import run_cli
 from memfit.devices import find_gpu
 from memfit.plan.configuration import Plan
 from memfit.units import format_bytes, parse_size, size_arg
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_size_arg_reads_back_never_above_the_budget() -> None:
@@ -78,20 +68,20 @@ def test_a_named_gpus_own_memory_is_said_with_gpu_not_a_size() -> None:
 def test_estimate_verdict_names_the_gpu(capsys: pytest.CaptureFixture[str], tiny_bert: str) -> None:
     job = ["estimate", tiny_bert, "--task", "classification", "--batch-size", "2", "--seq-len", "32",
            "--precision", "fp16"]  # fmt: skip
-    code, out, _ = run(capsys, *job, "--gpu", "t4")
+    code, out, _ = run_cli(capsys, *job, "--gpu", "t4")
     t4 = format_bytes(find_gpu("t4").memory_bytes)
     assert code == 0 and f"Fits in a T4's {t4}:" in out
     assert "attention kernels on the T4 (sm75): mem-efficient, math" in out
-    code, out, _ = run(capsys, *job, "--gpu", "t4", "--gpu-memory", "1MiB")
+    code, out, _ = run_cli(capsys, *job, "--gpu", "t4", "--gpu-memory", "1MiB")
     assert code == 0 and "Does not fit in 1.00 MiB on a T4:" in out
-    code, out, _ = run(capsys, *job, "--gpu-memory", "16GiB")
+    code, out, _ = run_cli(capsys, *job, "--gpu-memory", "16GiB")
     assert code == 0 and "Fits in 16.00 GiB:" in out
 
 
 def test_bf16_on_a_p100_is_one_line_exit_2(
     capsys: pytest.CaptureFixture[str], tiny_bert: str
 ) -> None:
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys, "estimate", tiny_bert, "--task", "classification", "--batch-size", "2",
         "--seq-len", "32", "--precision", "bf16", "--gpu", "p100",
     )  # fmt: skip
@@ -109,14 +99,14 @@ def test_plan_nothing_fits_names_the_gpu(
     monkeypatch.setattr(memfit.plan, "plan", lambda *a, **k: _plan(budget, k.get("gpu")))
     argv = ["plan", tiny_gpt2, "--task", "causal-lm", "--seq-len", "64",
             "--effective-batch-size", "8", "--gpu", "t4", "--gpu-memory", "100MB"]  # fmt: skip
-    code, _, err = run(capsys, *argv, "--json")
+    code, _, err = run_cli(capsys, *argv, "--json")
     assert code == 3 and f"nothing fits in {format_bytes(budget)} on a T4" in err
-    code, out, _ = run(capsys, *argv)
+    code, out, _ = run_cli(capsys, *argv)
     assert code == 3 and f"Nothing fits in {format_bytes(budget)} on a T4" in out
 
 
 def test_gpus_has_a_header_and_the_kernels(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "gpus")
+    code, out, _ = run_cli(capsys, "gpus")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:5] == ["id", "name", "memory", "sm", "bf16"]
     t4 = next(line for line in lines if line.startswith("t4 "))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from cli_run import run_cli
 from memfit.cli import main
 from memfit.devices.catalog import catalog
 from memfit.estimate import estimate
@@ -38,15 +39,6 @@ def cuda_message(capacity_gib: float) -> str:
         "memory 10.20 GiB is allocated by PyTorch, and 40.00 MiB is reserved by PyTorch but "
         "unallocated."
     )
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().out
 
 
 def levers(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -188,7 +180,7 @@ def test_classification_run_folder_priced_at_resolved_seq_len(
                 "pad_to_multiple_of": 8}  # fmt: skip
     events = [{"type": "oom", "step": 2, "micro_batch_size": 8, "error": CUDA_OLD}]
     folder = write_folder(tmp_path / "run", config, resolved, events)
-    code, out = run_cli(capsys, "doctor", str(folder), "--json")
+    code, out, _ = run_cli(capsys, "doctor", str(folder), "--json")
     assert code == 0
     d = json.loads(out)
     assert d["knobs"]["seq_len"] == 64 and d["knobs"]["longest_tokens"] == 60
@@ -215,7 +207,7 @@ def test_precision_is_the_gpus_own(capsys: pytest.CaptureFixture[str], tiny_bert
     # large enough for autocast to save (on a tiny model the casts can outweigh it)
     job = ["--model", tiny_bert, "--task", "classification", "--batch-size", "64",
            "--seq-len", "128"]  # fmt: skip
-    code, out = run_cli(capsys, "doctor", "--message", message, *job, "--json")
+    code, out, _ = run_cli(capsys, "doctor", "--message", message, *job, "--json")
     assert code == 0
     fix = levers(json.loads(out))["precision"]
     assert "--precision fp16" in fix["change"] and "bf16 autocast" not in fix["change"]
@@ -285,7 +277,7 @@ def test_doctor_on_a_real_mnrl_run(capsys: pytest.CaptureFixture[str], mnrl_run:
     resolved = json.loads((mnrl_run / "run.json").read_text())["resolved"]
     seq, longest = resolved["seq_len"], resolved["longest_tokens"]
     assert longest < 64  # the data is shorter than --max-seq-len
-    code, out = run_cli(capsys, "doctor", str(mnrl_run), "--json")
+    code, out, _ = run_cli(capsys, "doctor", str(mnrl_run), "--json")
     assert code == 0
     d = json.loads(out)
     fixes = levers(d)

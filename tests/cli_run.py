@@ -1,0 +1,18 @@
+"""Run ``memfit ARGV`` in the test's process, as a user would type it."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.cli import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``memfit ARGV``: (exit code, stdout, stderr)."""
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
