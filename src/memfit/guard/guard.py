@@ -68,6 +68,10 @@ def _no_phase(name: str) -> None:
     return None
 
 
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
 class PeerOutOfMemory(torch.OutOfMemoryError):
     """Another rank ran out of memory: this rank drops the step and backs off with it."""
 
@@ -140,6 +144,7 @@ class Guard:
         ranks: RankAgreement | None = None,
         pad_pass: Callable[[bool], None] | None = None,
         on_recover: Callable[[], None] | None = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -170,6 +175,8 @@ class Guard:
         self.pad_pass = pad_pass
         # called after a failed attempt, before the re-run (FSDP resets its iteration state)
         self.on_recover = on_recover
+        # a micro-batch's backward (DeepSpeed's engine runs its own); None: ``loss.backward()``
+        self._backward = backward or _plain_backward
         # the training step's size is a GradCache mini-batch (a recipe that takes the whole step:
         # in-batch negatives), not a micro-batch: its events say so ("what": "mini_batch")
         self._mini_batches = False
@@ -308,7 +315,7 @@ class Guard:
             with autocast():
                 loss = recipe.loss(rows, total_units, mini_batch_size=size)
             phase("backward")
-            scale(loss).backward()
+            self._backward(scale(loss))
             value = float(loss.detach())
             del loss
             if ranks is not None:
@@ -326,7 +333,7 @@ class Guard:
                 with autocast():
                     loss = recipe.loss(chunk, total_units)
                 phase("backward")
-                scale(loss).backward()
+                self._backward(scale(loss))
                 step_loss += float(loss.detach())
                 # the graph is freed by backward; drop the last reference before the next forward
                 del loss

@@ -35,7 +35,11 @@ that call, so the guard overrides ``training_step`` itself:
 
 Dropout: with dropout off a guarded run ends with the same weights as an unguarded one (up to
 float summation order). With dropout on, the re-run draws new masks: equal in distribution.
-One process only: under DDP an OOM on one rank would have to become every rank's decision.
+
+Several ranks (``torchrun``, DDP): an OOM on one rank becomes every rank's decision, as in
+``memfit train``: the chunks run without communication, the ranks meet at a sync point after each
+one, all adopt the smallest proposed size and re-run the step, and the guard all-reduces the
+gradients itself after the step's last call (:mod:`memfit.integrations._ranks`).
 
 The optimizer update (clipping, ``optimizer.step``) holds the weights, their gradients and the
 optimizer state (AdamW allocates its two moments in the first step) whatever the micro-batch: an
@@ -65,14 +69,24 @@ from transformers import TrainerCallback
 
 from memfit.errors import NothingFitsError
 from memfit.guard.cap import CpuMemoryCap, memory_cap
+from memfit.guard.guard import PeerOutOfMemory
 from memfit.guard.oom import CatchOom, drop_gradients, free_memory
-from memfit.guard.policy import BackOff, back_off, optimizer_stop
+from memfit.guard.policy import BackOff, agree, back_off, optimizer_stop
 from memfit.integrations._batch import batch_rows, concat_outputs, count_items, split_batch
 from memfit.integrations._exit import Surfaced
+from memfit.integrations._ranks import (
+    broadcasts_buffers,
+    inner_module,
+    join_ranks,
+    ranks_problem,
+    reduce_gradients,
+)
 from memfit.units import parse_size
 
 if TYPE_CHECKING:
     from transformers import Trainer as _TrainerBase
+
+    from memfit.integrations._ranks import SyncPoints
 else:
     _TrainerBase = object
 
@@ -161,6 +175,13 @@ class TrainerGuardMixin(_TrainerBase):
         self._guard_step_clean = True
         # how compute_loss reduces, found on first need (see _guard_reduction)
         self._guard_items_normalised: bool | None = None
+        # several ranks: the process group's sync points and the parameters whose gradients
+        # they average (None: one process, or a setup the guard steps aside from)
+        self._guard_ranks: SyncPoints | None = None
+        # DDP's wrapper while a step runs on the module it holds (its buffers follow rank 0)
+        self._guard_wrapper: nn.Module | None = None
+        # why the guard steps aside from this run's ranks (None: it does not)
+        self._guard_aside: str | None = None
 
     @property
     def guard_grow_after(self) -> int:
@@ -174,11 +195,14 @@ class TrainerGuardMixin(_TrainerBase):
 
     def _guard_check_arguments(self) -> None:
         """Say where the arguments limit what the guard does (after the Trainer's __init__)."""
-        if self.args.world_size > 1:
+        problem = self._guard_aside = self._guard_ranks_problem()
+        if problem is not None:
             logger.warning(
-                "memfit: the guard covers one process; with %d processes it steps aside and the "
-                "Trainer runs as stock (memfit train agrees an OOM across ranks)",
+                "memfit: the guard cannot agree an out-of-memory error across %d processes "
+                "under %s, so it steps aside and the Trainer runs as stock (an OOM ends the "
+                "run); plain DDP (torchrun without it) is guarded",
                 self.args.world_size,
+                problem,
             )
         if getattr(self.args, "auto_find_batch_size", False):
             logger.warning(
@@ -186,6 +210,23 @@ class TrainerGuardMixin(_TrainerBase):
                 "smaller effective batch); the guard already handles OOM inside the step, so "
                 "it only sees what the guard cannot cure. Consider auto_find_batch_size=False"
             )
+
+    def _guard_ranks_problem(self) -> str | None:
+        """Why the guard cannot cover this run's ranks (None: one process, or plain DDP)."""
+        return ranks_problem(self)
+
+    def _guard_join_ranks(self) -> None:
+        """With several ranks the guard can cover: the sync points, set up once before training
+        (and before any memory cap) on every rank alike."""
+        if self._guard_ranks is not None or self.args.world_size <= 1:
+            return
+        if self._guard_ranks_problem() is not None:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        self._guard_ranks = join_ranks(self._guard_parameters())
 
     # -- the memory cap -----------------------------------------------------------------------
     def _guard_modules(self) -> list[nn.Module]:
@@ -214,6 +255,8 @@ class TrainerGuardMixin(_TrainerBase):
                     cap.track(*self._guard_modules())
                     if self.optimizer is not None:
                         cap.track(self.optimizer)
+                    if self._guard_ranks is not None:
+                        cap.track(*self._guard_ranks.buffers())
                 self.guard_cap = cap
                 yield
         finally:
@@ -232,6 +275,7 @@ class TrainerGuardMixin(_TrainerBase):
         self._guard_reset_steps()
         if not any(isinstance(c, _StepReset) for c in self.callback_handler.callbacks):
             self.add_callback(_StepReset(self))
+        self._guard_join_ranks()
         try:
             with Surfaced(), self._guard_capped():
                 # an OOM anywhere else goes on up as it is (training_step catches its own)
@@ -265,10 +309,15 @@ class TrainerGuardMixin(_TrainerBase):
     ) -> torch.Tensor:
         """The stock ``training_step`` over ``inputs``, in chunks when the guard has backed off,
         re-run with the step's earlier calls after an OOM (see the module docstring)."""
-        if self.args.world_size > 1:
-            # chunks would all-reduce the gradient once each, and one rank's OOM would leave the
-            # others waiting in a collective: several processes are memfit train's job
+        ranks = self._guard_ranks
+        if self.args.world_size > 1 and ranks is None:
+            # a setup the guard cannot cover (said once, when the trainer was made)
             return super().training_step(model, inputs, num_items_in_batch)
+        if ranks is not None:
+            # the module DDP wraps: no reducer, no collective inside forward or backward; the
+            # gradients are reduced after the step's last call, once every rank is known fine
+            self._guard_wrapper = model if broadcasts_buffers(model) else None
+            model = inner_module(model)
         self._guard_updating = False
         self._guard_begin_call()
         call: tuple[Mapping[str, Any], Any] = (inputs, num_items_in_batch)
@@ -281,6 +330,8 @@ class TrainerGuardMixin(_TrainerBase):
                     # the step's earlier calls: their gradients went with the failed attempt's
                     self._guard_run_call(model, past_inputs, past_items)
                 loss = self._guard_run_call(model, inputs, num_items_in_batch)
+                if ranks is not None and self._guard_last_call():
+                    reduce_gradients(ranks, self._guard_buffers_of())
             error = caught.error
             if error is None:
                 # the step's last call (the Trainer syncs gradients on it): clipping and the
@@ -288,12 +339,81 @@ class TrainerGuardMixin(_TrainerBase):
                 self._guard_updating = self._guard_last_call()
                 return loss
             # out of the with block: the exception and its frames are gone now
+            own = not (
+                caught.exception_type is not None
+                and issubclass(caught.exception_type, PeerOutOfMemory)
+            )
             self._guard_step_clean = False
             self._guard_drop_gradients()
             free_memory(self.args.device)
+            if ranks is not None and own:
+                # the sync point the other ranks are waiting at: they learn of it there
+                ranks.anyone(True)
             self._guard_policy.after_oom()
-            self._guard_back_off(inputs, error)
+            if ranks is None:
+                self._guard_back_off(inputs, error)
+            else:
+                self._guard_agree(ranks, inputs, error, own=own)
             pending = list(self._guard_step_calls)
+
+    def _guard_buffers_of(self) -> nn.Module | None:
+        """The module whose buffers follow rank 0's after each step (DDP's broadcast_buffers)."""
+        wrapper = self._guard_wrapper
+        return inner_module(wrapper) if wrapper is not None else None
+
+    # -- several ranks --------------------------------------------------------------------------
+    def _guard_sync_slots(self, pieces: int) -> int:
+        """How many pieces (sync points) this call runs: the most any rank runs, so that every
+        rank meets the others the same number of times. Asked before anything is allocated."""
+        ranks = self._guard_ranks
+        return ranks.most(pieces) if ranks is not None else pieces
+
+    def _guard_sync(self) -> None:
+        """A sync point after a piece: PeerOutOfMemory if another rank ran out of memory."""
+        if self._guard_ranks is not None:
+            self._guard_ranks.check()
+
+    def _guard_agree(
+        self, ranks: SyncPoints, inputs: Mapping[str, Any], error: str, *, own: bool
+    ) -> None:
+        """The chunk size every rank adopts after an OOM: a rank that ran out proposes half of
+        what failed (0: one row failed), the others their own; all take the smallest."""
+        step = self._guard_step_number()
+        current = self._guard_current_size(inputs)
+        proposal = self._guard_propose(inputs, error, step) if own else current
+        agreed, _ = agree(ranks, proposal, None)
+        if agreed < 1:
+            if own:
+                self._guard_stop(step, self._guard_stop_reason(inputs), error)
+            self._guard_stop(
+                step, "another rank ran out of memory with the smallest piece there is", error
+            )
+        event: dict[str, Any] = {"type": "backoff", "step": step, "from": current, "to": agreed}
+        event.update(self._guard_backoff_keys(inputs))
+        if not own:
+            event["cause"] = "another rank"
+        self._guard_emit(event)
+        self._guard_adopt(inputs, agreed)
+
+    def _guard_current_size(self, inputs: Mapping[str, Any]) -> int:
+        """The rows this rank runs at once in a call of ``inputs``."""
+        rows = batch_rows(inputs)
+        return min(self.guard_micro_batch_size or rows, rows)
+
+    def _guard_propose(self, inputs: Mapping[str, Any], error: str, step: int) -> int:
+        """This rank's own OOM: its ``oom`` event, and the size it proposes (0: none)."""
+        size = self._guard_current_size(inputs)
+        self._guard_emit({"type": "oom", "step": step, "micro_batch_size": size, "error": error})
+        return BackOff.halve(size, batch_rows(inputs))
+
+    def _guard_stop_reason(self, inputs: Mapping[str, Any]) -> str:
+        return "one row per forward pass does not fit"
+
+    def _guard_backoff_keys(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def _guard_adopt(self, inputs: Mapping[str, Any], size: int) -> None:
+        self.guard_micro_batch_size = size
 
     def _guard_last_call(self) -> bool:
         """Whether the call that just ran was its optimizer step's last (transformers sets
@@ -322,21 +442,34 @@ class TrainerGuardMixin(_TrainerBase):
     def _guard_run_call(
         self, model: nn.Module, inputs: Mapping[str, Any], num_items_in_batch: Any
     ) -> torch.Tensor:
-        """One Trainer call: whole, or in chunks of ``guard_micro_batch_size`` rows."""
+        """One Trainer call: whole, or in chunks of ``guard_micro_batch_size`` rows (with
+        several ranks, a sync point after each, see :mod:`memfit.integrations._ranks`)."""
         size = self.guard_micro_batch_size
         rows = batch_rows(inputs)
-        if size is None or size >= rows:
-            return super().training_step(model, dict(inputs), num_items_in_batch)
-        chunks = split_batch(inputs, size)
+        whole = size is None or size >= rows
+        # agreed before the split and the weights allocate anything (the probe runs a forward)
+        slots = self._guard_sync_slots(1 if whole else -(-rows // int(size or rows)))
+        if whole:
+            loss = super().training_step(model, dict(inputs), num_items_in_batch)
+            for _ in range(slots):
+                self._guard_sync()
+            return loss
+        chunks = split_batch(inputs, int(size or rows))
         weights = self._guard_weights(model, inputs, chunks, num_items_in_batch)
         total: torch.Tensor | None = None
-        for chunk, weight in zip(chunks, weights, strict=True):
-            if weight == 0.0:
-                continue  # no item to learn from: a mean over the call gives it no gradient
-            with self._guard_weighted_loss(weight):
-                loss = super().training_step(model, chunk, num_items_in_batch)
-            total = loss if total is None else total + loss
-        return total if total is not None else torch.zeros((), device=self.args.device)
+        for index in range(slots):
+            if index < len(chunks) and weights[index] != 0.0:
+                # a chunk without an item to learn from is skipped: a mean over the call gives
+                # it no gradient
+                with self._guard_weighted_loss(weights[index]):
+                    loss = super().training_step(model, chunks[index], num_items_in_batch)
+                total = loss if total is None else total + loss
+            if total is None and index == slots - 1:
+                # allocated before the sync point: a collective follows it
+                total = torch.zeros((), device=self.args.device)
+            self._guard_sync()
+        assert total is not None
+        return total
 
     # -- how the chunks are weighed ---------------------------------------------------------
     def _guard_reduction(
@@ -538,7 +671,11 @@ class TrainerGuardMixin(_TrainerBase):
     ) -> tuple[torch.Tensor | None, Any, Any]:
         """The stock ``prediction_step``; on OOM the batch runs in chunks of half the rows
         (kept for later batches) and their outputs are joined in order. Eval holds no
-        gradients, so a chunk that fails is simply run again smaller."""
+        gradients, so a chunk that fails is simply run again smaller. With several ranks each
+        rank chunks its own batch (eval runs the unwrapped model: no collective inside), except
+        where the guard steps aside (FSDP, DeepSpeed: their forward communicates)."""
+        if self._guard_aside is not None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         rows = batch_rows(inputs)
         while True:
             size = self.guard_eval_batch_size

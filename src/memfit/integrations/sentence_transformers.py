@@ -28,6 +28,11 @@ must not change what the step learns:
   own as a per-sample mean or sum.
 
 Eval: ``prediction_step`` is guarded for per-sample losses only; evaluators are not guarded.
+
+Several ranks (``torchrun``): the ranks agree an OOM as with ``GuardedTrainer`` (the pieces run
+without communication, a sync point after each, the gradients reduced after the step). A loss
+that gathers embeddings across ranks inside its forward (``gather_across_devices=True``) cannot
+be met at a sync point: with it the guard steps aside, with one warning.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from torch import nn
 from memfit.guard.policy import BackOff, back_off
 from memfit.integrations._batch import batch_rows
 from memfit.integrations._guard import MEAN, SUM, TrainerGuardMixin
+from memfit.integrations._ranks import ranks_problem
 from memfit.integrations.plan import PlannedArguments
 from memfit.integrations.trainer import plan_trainer_arguments
 
@@ -179,17 +185,98 @@ class GuardedSentenceTransformerTrainer(TrainerGuardMixin, SentenceTransformerTr
     ) -> torch.Tensor:
         key, loss = self._guard_loss(inputs)
         kind = self.loss_reduction(loss)
-        if kind == CACHED:
-            with self._guard_cached(key, loss):
+        if kind in (CACHED, COUPLED):
+            # one piece, then a sync point (several ranks): asked before anything is allocated
+            slots = self._guard_sync_slots(1)
+            with self._guard_cached(key, loss) if kind == CACHED else contextlib.nullcontext():
                 # the whole call at once: the GradCache loss splits it without changing it
-                return SentenceTransformerTrainer.training_step(
+                value = SentenceTransformerTrainer.training_step(
                     self, model, dict(inputs), num_items_in_batch
                 )
-        if kind == COUPLED:
-            return SentenceTransformerTrainer.training_step(
-                self, model, dict(inputs), num_items_in_batch
-            )
+            for _ in range(slots):
+                self._guard_sync()
+            return value
         return super()._guard_run_call(model, inputs, num_items_in_batch)
+
+    # -- several ranks --------------------------------------------------------------------------
+    def _guard_ranks_problem(self) -> str | None:
+        problem = ranks_problem(self)
+        if problem is not None:
+            return problem
+        if self.args.world_size <= 1:
+            return None
+        losses = self.loss.values() if isinstance(self.loss, Mapping) else [self.loss]
+        for loss in losses:
+            if getattr(loss, "gather_across_devices", False):
+                return (
+                    f"{type(loss).__name__}(gather_across_devices=True) (it gathers embeddings "
+                    "across ranks inside its forward; without it each rank's in-batch negatives "
+                    "are its own rows and the guard covers it)"
+                )
+        return None
+
+    def _guard_current_size(self, inputs: Mapping[str, Any]) -> int:
+        _, loss = self._guard_loss(inputs)
+        kind = self.loss_reduction(loss)
+        if kind in (MEAN, SUM):
+            return super()._guard_current_size(inputs)
+        rows = batch_rows(inputs)
+        if kind == COUPLED:
+            return rows
+        own = getattr(loss, "mini_batch_size", None)
+        if type(loss).__name__ in CACHED_VARIANTS:
+            own = None
+        return int(min(self.guard_mini_batch_size or own or rows, rows))
+
+    def _guard_propose(self, inputs: Mapping[str, Any], error: str, step: int) -> int:
+        _, loss = self._guard_loss(inputs)
+        kind = self.loss_reduction(loss)
+        if kind in (MEAN, SUM):
+            return super()._guard_propose(inputs, error, step)
+        rows = batch_rows(inputs)
+        if kind == COUPLED:
+            self._guard_emit(
+                {"type": "oom", "step": step, "micro_batch_size": rows, "error": error}
+            )
+            return 0
+        size = self._guard_current_size(inputs)
+        self._guard_emit(
+            {
+                "type": "oom",
+                "step": step,
+                "micro_batch_size": rows,
+                "mini_batch_size": size,
+                "error": error,
+            }
+        )
+        return BackOff.halve(size, rows)
+
+    def _guard_stop_reason(self, inputs: Mapping[str, Any]) -> str:
+        _, loss = self._guard_loss(inputs)
+        kind = self.loss_reduction(loss)
+        name = type(loss).__name__
+        if kind == COUPLED:
+            return (
+                f"{name} compares the samples of a batch with each other, so no smaller piece "
+                "of the batch keeps its objective (and it has no GradCache variant); a smaller "
+                "per_device_train_batch_size changes what it learns"
+            )
+        if kind == CACHED:
+            return f"{name} with mini-batches of one row does not fit"
+        return super()._guard_stop_reason(inputs)
+
+    def _guard_backoff_keys(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        _, loss = self._guard_loss(inputs)
+        if self.loss_reduction(loss) == CACHED:
+            return {"loss": f"cached {type(loss).__name__}"}
+        return {}
+
+    def _guard_adopt(self, inputs: Mapping[str, Any], size: int) -> None:
+        _, loss = self._guard_loss(inputs)
+        if self.loss_reduction(loss) in (MEAN, SUM):
+            super()._guard_adopt(inputs, size)
+        else:
+            self.guard_mini_batch_size = size
 
     @contextlib.contextmanager
     def _guard_cached(self, key: Any, loss: nn.Module) -> Iterator[None]:

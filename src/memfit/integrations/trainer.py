@@ -10,7 +10,9 @@ Extra keywords: ``memory_cap`` (make the device behave as if it had that much me
 a real ``torch.OutOfMemoryError`` past the cap, on CUDA the allocator's fraction), ``grow_after``
 (clean optimizer steps before the guard tries a larger micro-batch again) and ``memfit_plan``
 (apply memfit's plan to the ``TrainingArguments`` first, see :func:`memfit.integrations.apply_plan`).
-How the gradient stays exact: :mod:`memfit.integrations._guard`.
+How the gradient stays exact: :mod:`memfit.integrations._guard`. Under ``torchrun`` (DDP) an
+OOM on one rank is every rank's: they back off to the same size and re-run the step, and the
+guard averages the gradients itself (:mod:`memfit.integrations._ranks`).
 """
 
 from __future__ import annotations

@@ -30,12 +30,12 @@ from memfit.units import format_bytes
 SCHEME_WORDS = {
     "fsdp": "PyTorch FSDP shards parameters, gradients and optimizer state, and gathers each "
     "block's parameters again in backward; memfit train runs it",
-    "zero1": "DeepSpeed ZeRO-1 shards the optimizer state; it needs DeepSpeed, which memfit "
-    "train does not run yet",
-    "zero2": "DeepSpeed ZeRO-2 shards optimizer state and gradients; it needs DeepSpeed, which "
-    "memfit train does not run yet",
-    "zero3": "DeepSpeed ZeRO-3 shards parameters, gradients and optimizer state; it needs "
-    "DeepSpeed, which memfit train does not run yet",
+    "zero1": "DeepSpeed ZeRO-1 shards the optimizer state; memfit train runs it through "
+    "DeepSpeed (pip install 'memfit[deepspeed]')",
+    "zero2": "DeepSpeed ZeRO-2 shards optimizer state and gradients; memfit train runs it "
+    "through DeepSpeed (pip install 'memfit[deepspeed]')",
+    "zero3": "DeepSpeed ZeRO-3 shards parameters, gradients and optimizer state; memfit train "
+    "runs it through DeepSpeed (pip install 'memfit[deepspeed]')",
 }
 
 

@@ -126,6 +126,11 @@ class TrainConfig(Job):
     seed: int = knob("Random seed.", default=42)
     gpu_memory: int | None = knob("Plan for this budget, e.g. 16GiB.", size=True)
     """The plan's budget in bytes (None: the GPU's free memory)."""
+    deepspeed: str | None = knob(
+        "A DeepSpeed config (JSON) for --sharding zero1|zero2|zero3; its stage sets --sharding."
+    )
+    """A user's DeepSpeed config: its ZeRO settings ("auto" filled as accelerate fills them);
+    memfit keeps the batch, the optimizer and the boundary (see memfit.train.zero)."""
     memory_cap: int | None = knob("Behave as if the device had only this much memory.", size=True)
     """A cap in bytes on the device's memory: every OOM path for real, on any machine."""
     save_every: int | None = knob("Checkpoint every N optimizer steps.", minimum=1)
@@ -335,28 +340,30 @@ def _distributed_problems(cfg: TrainConfig) -> list[str]:
                 f"--world-size: {wanted} ranks asked for, but {launched} were launched; make them "
                 "agree (or leave --world-size out)"
             )
-    if cfg.sharding in DEEPSPEED_SCHEMES:
-        on_cpu = cfg.device == "cpu" or not _cuda_available()
-        if on_cpu:
+    if cfg.deepspeed is not None:
+        from memfit.train.zero import config_problems as deepspeed_problems
+
+        problems.extend(deepspeed_problems(cfg.deepspeed, cfg.sharding))
+    if cfg.sharding in DEEPSPEED_SCHEMES or cfg.deepspeed is not None:
+        from memfit.extras import problems as missing_packages
+
+        scheme = cfg.sharding if cfg.sharding in DEEPSPEED_SCHEMES else "zero1|zero2|zero3"
+        problems.extend(missing_packages([("deepspeed", f"--sharding {scheme}")]))
+        if launched == 1:
             problems.append(
-                f"--sharding: {cfg.sharding} is DeepSpeed ZeRO, which memfit runs on CUDA GPUs "
-                "only; on the CPU use --sharding fsdp (PyTorch FSDP2: parameters, gradients and "
-                "optimizer state sharded, as ZeRO-3) or --sharding none"
+                f"--sharding: {scheme} (DeepSpeed ZeRO) shards over several ranks; launch them: "
+                "torchrun --nproc_per_node N -m memfit train … (or use --sharding none)"
             )
-        else:
+        if cfg.task == "sentence-embedding":
             problems.append(
-                f"--sharding: {cfg.sharding} (DeepSpeed ZeRO) is estimated and planned by memfit "
-                "but not yet run by memfit train, whose guard cannot yet agree an OOM inside "
-                "DeepSpeed's hooks; use --sharding fsdp (the same sharding as ZeRO-3, with an "
-                "OOM-safe guard) or --sharding none"
+                "--sharding: DeepSpeed ZeRO is built for classification and causal-lm; "
+                "sentence-embedding runs with --sharding none"
             )
-    if launched > 1 and cfg.task == "sentence-embedding":
-        problems.append(
-            "--task: sentence-embedding on several ranks is not built yet: each rank's in-batch "
-            "negatives would be only its share of the batch, so the loss would change with the "
-            "number of ranks; run it as one process (the cached loss, --loss cached-mnrl, fits "
-            "any batch into memory)"
-        )
+        if cfg.lora_rank or cfg.quantization not in (None, "none"):
+            problems.append(
+                "--sharding: DeepSpeed ZeRO with --lora-rank/--quantization is not supported; "
+                "use --sharding none"
+            )
     if cfg.sharding == "fsdp" and cfg.task == "sentence-embedding":
         problems.append(
             "--sharding: fsdp is built for classification and causal-lm; sentence-embedding runs "

@@ -229,10 +229,18 @@ class Ranks:
                 dist.destroy_process_group()
 
 
-def init_ranks(device_type: str, *, timeout_minutes: float = 30.0) -> Ranks:
+def init_ranks(device_type: str, *, timeout_minutes: float | None = None) -> Ranks:
     """Join the process group the launcher set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT``): gloo on the CPU, NCCL on GPUs, plus a gloo group for the
-    guard's flags."""
+    guard's flags. A collective waits ``timeout_minutes`` for the other ranks (default:
+    ``MEMFIT_RANK_TIMEOUT``, else 30 minutes; see :mod:`memfit.train.peers`). ``RANK`` is the
+    rank among all hosts' processes, ``LOCAL_RANK`` this host's GPU."""
+    from memfit.train.peers import rank_timeout
+
+    # a bad MEMFIT_RANK_TIMEOUT is refused before any rank waits for another
+    timeout = (
+        rank_timeout() if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
+    )
     rank = launched_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     if device_type == "cuda":
@@ -242,7 +250,6 @@ def init_ranks(device_type: str, *, timeout_minutes: float = 30.0) -> Ranks:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     flag_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None

@@ -145,7 +145,7 @@ class TrainingRun(RunSetup):
                 "pad_to_multiple_of": self.recipe.pad_multiple,
                 "group_by_length": self.cfg.group_by_length,
                 "world_size": self.world,
-                "sharding": self.cfg.sharding,
+                "sharding": f"zero{self.zero_stage}" if self.zero_stage else self.cfg.sharding,
                 "backend": ranks.backend if ranks is not None else None,
                 # a fine-tuned classifier's head: kept (same labels) or replaced (said on stderr)
                 "classifier_head": getattr(self.recipe, "head_note", None),
@@ -189,6 +189,9 @@ class TrainingRun(RunSetup):
             if self.ranks is not None:
                 # written in place at every sync point: held already, never a new allocation
                 cap.track(*self.ranks.buffers())
+            if self.zero_stage is not None:
+                # DeepSpeed's partitions, master weights and flat buffers
+                cap.track(*self.sharded.held_tensors())
         self.peak = PeakMemory(self.device, cap)
         self.guard.on_phase = self.peak.phase
         if self.cfg.memory_snapshot and self.device.type == "cuda":
@@ -359,6 +362,8 @@ class TrainingRun(RunSetup):
         optimizer state), so an OOM here is the end: exit 3 with what would help (on every rank:
         they agree on it). A loss or gradient that is not finite stops the run before the update
         (exit 4), unless the fp16 loss scaler is on: it skips such a step itself (and says so)."""
+        if self.zero_stage is not None:
+            return None if probe else self.zero_update(number, loss)
         cfg, scaler, optimizer, params = self.cfg, self.scaler, self.optimizer, self.params
         grad_norm, norm = None, None
         with CatchOom() as caught:
@@ -401,10 +406,29 @@ class TrainingRun(RunSetup):
         self.agree_oom(number, caught.error)
         return grad_norm
 
-    def agree_oom(self, number: int, error: str | None) -> None:
-        """Every rank learns whether any ran out of memory in the update: then all stop."""
+    def zero_update(self, number: int, loss: float | None) -> float | None:
+        """The update of a DeepSpeed ZeRO run: the loss checked on every rank, then
+        ``engine.step()`` (ZeRO-1's reduction, DeepSpeed's clipping and update). A gradient that
+        is not finite makes DeepSpeed skip the update: the run stops there, as without ZeRO."""
+        bad = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
+        if self.ranks is not None and self.ranks.anyone(bool(bad)) and not bad:
+            bad = ["another rank's loss is not finite"]
+        if bad:
+            self.sharded.reset()
+            self.stop_not_finite(number, bad)
+        with CatchOom() as caught:
+            norm = self.sharded.step()
+        self.agree_oom(number, caught.error, peer=_peer_oom(caught))
+        if self.sharded.skipped():
+            self.stop_not_finite(number, [f"the gradient norm is {norm}"])
+        return norm if self.cfg.max_grad_norm else None
+
+    def agree_oom(self, number: int, error: str | None, *, peer: bool = False) -> None:
+        """Every rank learns whether any ran out of memory in the update: then all stop. An
+        OOM another rank's raised inside a collective (``peer``) was that agreement already."""
         ranks = self.ranks
-        if ranks is not None and ranks.anyone(error is not None) and error is None:
+        # (a peer's OOM: no second sync point, the others are past it)
+        if peer or (ranks is not None and ranks.anyone(error is not None) and error is None):
             error = "another rank ran out of memory in its optimizer step"
         if error is None:
             return
@@ -451,6 +475,8 @@ class TrainingRun(RunSetup):
         the memory cap (outside it), that the probe puts back; frozen ones (LoRA's base model)
         are never changed by an optimizer step."""
         if self.cfg.probe and self.lengths is not None and self.step < self.total_steps:
+            if self.zero_stage is not None:
+                return []  # the probe makes no update under DeepSpeed: nothing to put back
             return [p.detach().to("cpu", copy=True) for p in self.params]
         return None
 
@@ -480,12 +506,16 @@ class TrainingRun(RunSetup):
         finally:
             guard.on_event = self.on_event
             optimizer.zero_grad(set_to_none=True)
-            if fresh:
+            if self.zero_stage is not None:
+                # the probe's gradients, in DeepSpeed's partitions too
+                self.sharded.reset()
+            elif fresh:
                 # the state the probe created goes; step 1 creates it anew, as without a probe
                 optimizer.state.clear()
-            with torch.no_grad():
-                for param, saved in zip(self.params, snapshot, strict=True):
-                    param.copy_(saved)
+            if self.zero_stage is None:
+                with torch.no_grad():
+                    for param, saved in zip(self.params, snapshot, strict=True):
+                        param.copy_(saved)
             _set_rng_state(self.device, rng)
         # the plan is corrected: a later grow never goes past what the longest rows allowed
         guard.target_micro_batch_size = guard.micro_batch_size
@@ -659,6 +689,14 @@ def _set_rng_state(device: torch.device, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _peer_oom(caught: CatchOom) -> bool:
+    """Whether ``caught`` is another rank's OOM, raised at a sync point inside a collective."""
+    from memfit.guard.guard import PeerOutOfMemory
+
+    kind = caught.exception_type
+    return kind is not None and issubclass(kind, PeerOutOfMemory)
 
 
 def _sum_or_none(values: Sequence[float | None]) -> float | None:

@@ -27,6 +27,7 @@ from memfit.errors import UsageError
 from memfit.train.config import TrainConfig, TrainResult
 from memfit.train.console import say
 from memfit.train.loop import StopSignal, TrainingRun
+from memfit.train.peers import check_shared_folder
 from memfit.train.resume import finished_run
 from memfit.train.setup import checked_inputs, take
 
@@ -47,6 +48,14 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         if exc.errno not in _DISK_ERRNOS or not _in_run_folders(cfg, exc):
             raise
         raise UsageError(_disk_message(cfg, exc)) from None
+    except RuntimeError as exc:
+        from memfit.train.peers import lost_contact
+
+        # another rank died, was killed or hangs: one line and --resume, not a traceback
+        lost = lost_contact(exc, Path(cfg.output_dir))
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         lock.release()
 
@@ -125,6 +134,8 @@ def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainR
     run.load_model(train_rows, eval_rows)
     run.plan()
     run.open_folder()
+    # several hosts: every rank must see rank 0's folder (it reads the checkpoints back)
+    check_shared_folder(run.ranks, run.out)
     run.build_optimizer()
     run.open_logs(closers)
     run.make_guard()

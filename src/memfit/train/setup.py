@@ -222,7 +222,8 @@ class RunSetup:
     loss_value: float | None = None  # the last step's loss (summed over the ranks)
     stopped: str = "done"
     quantized: bool = False  # --quantization: bitsandbytes holds the frozen base quantized
-    sharded: Any = None  # the FSDP wrapping (--sharding fsdp)
+    sharded: Any = None  # the FSDP wrapping (--sharding fsdp) or DeepSpeed's engine (zeroN)
+    zero_stage: int | None = None  # --sharding zero1|zero2|zero3 (or a --deepspeed file's)
     ranks: Any = None  # the other ranks (torchrun, accelerate launch), or None
 
     def __init__(self, cfg: TrainConfig, recipe: Any, lock: Any) -> None:
@@ -236,6 +237,9 @@ class RunSetup:
     def join_ranks(self) -> None:
         """The device, and the other ranks where a launcher started several."""
         cfg = self.cfg
+        from memfit.train.zero import quiet_deepspeed
+
+        quiet_deepspeed()
         device = resolve_device(cfg.device)
         if device.type == "cpu" and cfg.precision not in (None, "fp32"):
             raise UsageError(
@@ -275,6 +279,8 @@ class RunSetup:
             # dropout 0.1; a target name the model lacks is exit 2 here, before anything is written
             add_lora(recipe, cfg)
         self.model = recipe.model
+        # in-batch negatives span the ranks: the recipe gathers its embeddings across them
+        recipe.ranks = ranks
         if ranks is not None:
             # a dropout stream per rank (the weights are made equal below, on the device)
             torch.manual_seed(cfg.seed + self.rank)
@@ -387,6 +393,11 @@ class RunSetup:
             # FSDP2 per transformer block, then the root; the optimizer is built on the shards
             self.sharded = shard_model(model, self.ranks, precision=self.precision, device=device)
         self.optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+        from memfit.train.zero import stage_of
+
+        stage = stage_of(cfg)
+        if stage is not None:
+            self.start_zero(stage)
         paged = cfg.optimizer.startswith("paged-")
         if paged and device.type != "cuda" and self.main and not cfg.quiet:
             say(
@@ -396,13 +407,35 @@ class RunSetup:
         self.steps_per_epoch = math.ceil(self.rows_n / self.per_step)
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self.scheduler = make_scheduler(cfg, self.optimizer, self.total_steps)
+        zero = self.zero_stage is not None
         self.scaler = (
             torch.amp.GradScaler("cuda")
-            if self.precision == "fp16" and device.type == "cuda"
+            if self.precision == "fp16" and device.type == "cuda" and not zero
             else None
         )
-        self.autocast = autocast(device, self.precision)
+        # DeepSpeed casts the module to 16 bits itself (and scales fp16 losses)
+        self.autocast = autocast(device, "fp32" if zero else self.precision)
         self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def start_zero(self, stage: int) -> None:
+        """DeepSpeed's engine over the model and the optimizer (``--sharding zeroN``)."""
+        from memfit.train.zero import build_config, start_engine
+
+        cfg, model = self.cfg, self.model
+        config_of = model.config
+        hidden = getattr(config_of, "hidden_size", None) or getattr(config_of, "n_embd", None)
+        config, notes = build_config(
+            cfg,
+            stage=stage,
+            hidden_size=int(hidden or 768),
+            precision=self.precision,
+            micro=self.micro,
+        )
+        if self.main and not cfg.quiet:
+            for note in notes:
+                say(f"memfit: {note}")
+        self.zero_stage = stage
+        self.sharded = start_engine(model, self.optimizer, self.ranks, config)
 
     def open_logs(self, closers: contextlib.ExitStack) -> None:
         """metrics.jsonl (rank 0: one line per step) and events.jsonl (every rank appends its
@@ -459,6 +492,7 @@ class RunSetup:
                 else None
             ),
             on_recover=sharded.reset if sharded is not None else None,
+            backward=sharded.backward if self.zero_stage is not None else None,
         )
         self.settings = step_settings(self.cfg, self.rows_n, self.lengths)
         if self.lock.note is not None:

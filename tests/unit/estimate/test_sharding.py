@@ -193,6 +193,10 @@ def test_zero3_gathers_and_fsdp_reshards_show_in_the_breakdown(tiny_gpt2: str) -
     partitioned = sum(p.numel() for p in model.parameters() if p.numel() >= 640)
     assert gather["kept_gathered_parameters"] == partitioned
     assert gather["largest_layer_parameters"] == 5000 * 64  # the tied embedding / head
+    # those kept are every partitioned parameter: the largest layer and the prefetch are among
+    # them, not on top
+    assert gather["gathered_parameter_bytes"] == 2 * partitioned
+    assert gather["reduce_bucket_bytes"] == 2 * 64 * 64  # one contiguous bucket, kept
     fsdp = estimate(tiny_gpt2, world_size=8, sharding="fsdp", **kw).details["gather"]
     assert fsdp["blocks"] == 2 and fsdp["root_parameters"] > fsdp["largest_block_parameters"]
 
@@ -273,3 +277,45 @@ def test_deepspeeds_own_estimators_agree(world: int) -> None:
     parameter_partition = 2 * -(-P // world)
     assert 0 <= partitioned + largest_bytes - gpu3 - parameter_partition <= 20 * tensors
     assert state3["deepspeed_formula_bytes"] == gpu3
+
+
+def test_zero12_partition_buffer_holds_every_overlapping_parameter_whole() -> None:
+    from memfit.estimate.sharding import zero12_partitions
+
+    # group 0: 16 elements, two partitions of 8; the 10-element tensor straddles the boundary
+    # and counts whole on both ranks. group 1: 3 elements padded to 4 (2·W), partitions of 2
+    overlap, pieces, largest = zero12_partitions([[10, 4, 2], [3]], 2)
+    assert overlap == [10 + 3, 10 + 4 + 2 + 3]
+    assert pieces == [8, 4]  # rank 0's slice of the 10; rank 1's whole 4
+    assert largest == 8
+    # one rank: everything, once
+    assert zero12_partitions([[10, 4, 2], [3]], 1) == ([19], [10], 16)
+
+
+@pytest.mark.parametrize("world", (2, 3, 8))
+def test_zero12_partition_buffer_is_deepspeeds(tiny_bert: str, world: int) -> None:
+    """The partition buffer's size, against DeepSpeed's own partitioning of memfit train's
+    optimizer groups (``get_partition_info``, ``copy_grads_in_partition``'s total_size)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from memfit.train.optim import make_optimizer
+
+    model = _tiny_bert_model()
+    groups = [g["params"] for g in make_optimizer("adamw", model, 1e-3, 0.0).param_groups]
+    per_rank = [0] * world
+    for params in groups:
+        total = sum(p.numel() for p in params)
+        size = -(-total // (2 * world)) * 2 * world // world  # the flat buffer, aligned
+        for rank in range(world):
+            inside, _, _ = DeepSpeedZeroOptimizer.get_partition_info(None, params, size, rank)
+            per_rank[rank] += sum(p.numel() for p in inside)
+    worst = max(per_rank)
+    est = _bert(tiny_bert, precision="fp32", world_size=world, sharding="zero2")
+    gather = est.details["gather"]
+    assert gather["gradient_partition_parameters"] == worst
+    assert gather["gradient_partition_bytes"] == 4 * worst
+    # the embedding straddles a boundary: more than an even share of the parameters
+    assert worst > est.details["trainable_parameters"] / world
+    # each gradient is whole for a moment, the largest one (the word embeddings) included
+    assert gather["unreduced_gradient_bytes"] == 4 * 1000 * 64

@@ -29,7 +29,7 @@ def _train(tmp_path: Path, *extra: str) -> tuple[int, Path]:
         (["--eval-file", "missing.csv"], "--eval-file: missing.csv: no such file"),
         (["--world-size", "2"], "--world-size: 2 ranks asked for, but this is one process"),
         (["--sharding", "zero4"], "--sharding: unknown value 'zero4'"),
-        (["--sharding", "zero3", "--device", "cpu"], "--sharding: zero3 is DeepSpeed ZeRO"),
+        (["--sharding", "zero3", "--device", "cpu"], "--sharding: zero3 (DeepSpeed ZeRO) shards"),
         (["--sharding", "zero1"], "--sharding: zero1"),
     ],
 )

@@ -72,6 +72,9 @@ class Recipe(abc.ABC):
     greater_is_better: ClassVar[bool]
     # False: the step's loss couples its samples (in-batch negatives); see the module docstring
     splittable: ClassVar[bool] = True
+    # several ranks (memfit.train.distributed.Ranks; None: one process), set by the loop for a
+    # recipe whose loss couples the ranks' samples (sentence-embedding gathers its embeddings)
+    ranks: Any = None
 
     model: nn.Module
     device: torch.device

@@ -8,6 +8,13 @@ its gradient at the embeddings, then re-embed one mini-batch at a time with a gr
 calls ``.backward()`` on the returned loss (a hook on that tensor). Memory is one mini-batch of
 activations; the gradient is the whole batch's.
 
+On several ranks (``ranks`` set by the loop) every rank embeds its share of the step's pairs and
+the positives are gathered across ranks (:func:`ranked_mnrl_loss`): each anchor is scored against
+every positive of the global batch, as in one process, and each rank's loss is its anchors' summed
+loss over the whole step's pairs, so the ranks' losses and gradients add up to the one-process ones.
+The gradient at the embeddings is computed (and all-reduced) inside ``loss``; ``.backward()`` then
+back-propagates it through the model, as GradCache does, and ends with a sync point.
+
 MODEL is a sentence-transformers folder or a plain Hugging Face one (wrapped with mean pooling).
 """
 
@@ -19,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from memfit.data.rows import LENGTH, Column, RowTable, read_rows, text_of, tokenizer_key
 from memfit.errors import UsageError
@@ -133,15 +141,153 @@ def _losses_module() -> Any:
         return importlib.import_module("sentence_transformers.losses")
 
 
+# -- several ranks -------------------------------------------------------------------------------
+# The invariant of memfit.train.distributed: every collective is preceded by a sync point
+# (ranks.check()) with no allocation in between, so that a rank that ran out of memory anywhere
+# meets the others at a sync point, never inside a collective. Below, each collective's buffers
+# are allocated first, then the sync point, then the collective.
+
+
+def _row_counts(ranks: Any, rows: int) -> list[int]:
+    """Every rank's number of rows in this step, in rank order (shares may differ, even be 0)."""
+    # a sync point: the all-gather of the counts follows; it writes into buffers allocated once
+    ranks.check()
+    return [int(values[0] or 0) for values in ranks.gather_floats([rows])]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows of ``local`` (``counts[r]`` from rank ``r``), concatenated in rank order.
+
+    Forward: an all-gather, each rank's rows padded to the largest share. Backward: the gradient
+    at every rank's rows is summed over the ranks (an all-reduce, since every rank's loss read every
+    row), and this rank keeps its own rows'. A sync point comes before each collective."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, ranks: Any, counts: list[int]) -> torch.Tensor:
+        ctx.ranks, ctx.counts = ranks, counts
+        # collectives want one shape from every rank: pad this rank's rows to the largest share
+        padded = local.new_zeros((max(counts), *local.shape[1:]))
+        padded[: len(local)] = local
+        parts = [torch.empty_like(padded) for _ in counts]
+        ranks.check()  # nothing is allocated between the sync point and the all-gather
+        dist.all_gather(parts, padded)
+        del padded  # the sent copy: no longer needed
+        return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ranks, counts = ctx.ranks, ctx.counts
+        # this rank's gradient at every rank's rows, in the padded layout of the forward
+        padded = grad.new_zeros((len(counts), max(counts), *grad.shape[1:]))
+        start = 0
+        for rank, count in enumerate(counts):
+            padded[rank, :count] = grad[start : start + count]
+            start += count
+        ranks.check()  # nothing is allocated between the sync point and the all-reduce
+        dist.all_reduce(padded, op=dist.ReduceOp.SUM)
+        return padded[ranks.rank, : counts[ranks.rank]], None, None
+
+
+def ranked_mnrl_loss(
+    anchors: torch.Tensor,
+    positives: torch.Tensor,
+    *,
+    ranks: Any,
+    step_pairs: int,
+    scale: float,
+    similarity_fct: Any,
+    anchors_per_chunk: int | None = None,
+    with_backward: bool = False,
+) -> torch.Tensor:
+    """The multiple-negatives ranking loss of this rank's pairs over the whole step, on several
+    ranks: every anchor is scored against every positive of every rank (the in-batch negatives
+    of the global batch), its label is its own positive's index in that global list, and the
+    anchors' summed loss is divided by the step's pairs (``step_pairs``, the same on every
+    rank): the ranks' losses add up to sentence-transformers' ``MultipleNegativesRankingLoss``
+    over the global batch (its default ``query_to_doc`` direction).
+
+    ``with_backward``: also back-propagate to ``anchors`` and ``positives`` (leaves: their
+    ``.grad`` is the gradient of the *sum over ranks* of the loss) and return the loss detached.
+    Anchors are then scored ``anchors_per_chunk`` at a time (GradCache's mini-batch: one chunk's
+    score matrix at a time). Every rank must call this once per step, rows or not: it joins the
+    ranks' collectives (an all-gather of the counts, one of the positives and, when
+    ``with_backward``, an all-reduce of the positives' gradient; a sync point before each)."""
+    counts = _row_counts(ranks, len(anchors))
+    offset = sum(counts[: ranks.rank])
+    # gathered in fp32: every rank sends the same dtype (a rank without rows has no embeddings
+    # to take it from) and the scores are the one-process ones
+    gathered = _GatherRows.apply(positives.float(), ranks, counts)
+    candidates = gathered.detach().requires_grad_() if with_backward else gathered
+    labels = torch.arange(offset, offset + len(anchors), device=anchors.device)
+    chunk = anchors_per_chunk or max(len(anchors), 1)
+    total = anchors.new_zeros((), dtype=torch.float32)
+    for begin in range(0, len(anchors), chunk):
+        rows = slice(begin, begin + chunk)
+        scores = similarity_fct(anchors[rows].float(), candidates) * scale
+        own = scores.gather(1, labels[rows, None]).squeeze(1)
+        # sentence-transformers' form: -(positive score - log-sum-exp over every candidate)
+        part = (torch.logsumexp(scores, dim=1) - own).sum() / step_pairs
+        if with_backward:
+            part.backward()
+            part = part.detach()
+        # the chunk's score matrix is freed before the next
+        del scores, own
+        total = total + part
+    if with_backward:
+        grad = candidates.grad if candidates.grad is not None else torch.zeros_like(candidates)
+        # through the all-reduce: each rank's positives get every rank's gradient at them
+        gathered.backward(grad)
+    return total
+
+
+def _embedding_dimension(model: Any) -> int:
+    """The sentence embedding's width (``get_embedding_dimension`` in sentence-transformers 6)."""
+    get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    return int(get())
+
+
+def _ends_with_sync_point(loss: torch.Tensor, ranks: Any) -> torch.Tensor:
+    """``loss`` whose backward ends with a sync point (a hook registered after any other): the
+    guard's gradient reduction follows it, and a rank that ran out of memory in its backward
+    must find the others at a sync point, not in the reduction's first collective."""
+
+    def sync(grad: torch.Tensor) -> None:
+        ranks.check()
+
+    loss.register_hook(sync)
+    return loss
+
+
 def _cached_loss_class() -> type:
     cached_loss: Any = _losses_module().CachedMultipleNegativesRankingLoss
 
     class AutocastCachedMNRL(cached_loss):  # type: ignore[misc,valid-type]
         """GradCache whose replay (inside ``.backward()``, after the caller's autocast block has
         closed) runs under the autocast of the first pass, so the cached gradients match the
-        embeddings they are applied to."""
+        embeddings they are applied to. With ``ranks`` set, the loss and the gradients it caches
+        are :func:`ranked_mnrl_loss`'s (over ``step_pairs``, the whole step's pairs)."""
 
         autocast_state: tuple[str, bool, torch.dtype] = ("cpu", False, torch.float32)
+        ranks: Any = None
+        step_pairs: int = 0
+
+        def calculate_loss(
+            self, reps: list[list[torch.Tensor]], labels: Any = None, *, with_backward: bool = False
+        ) -> torch.Tensor:
+            if self.ranks is None:
+                return super().calculate_loss(reps, labels, with_backward=with_backward)
+            if len(reps) != 2:
+                raise ValueError("several ranks: (anchor, positive) pairs only")
+            return ranked_mnrl_loss(
+                torch.cat(reps[0]),
+                torch.cat(reps[1]),
+                ranks=self.ranks,
+                step_pairs=self.step_pairs,
+                scale=self.scale,
+                similarity_fct=self.similarity_fct,
+                anchors_per_chunk=self.mini_batch_size,
+                with_backward=with_backward,
+            )
 
         def forward(self, sentence_features: Any, labels: Any) -> torch.Tensor:
             device_type = self.model.device.type
@@ -296,6 +442,8 @@ class SentenceEmbeddingRecipe(Recipe):
     def loss(
         self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
+        if self.ranks is not None:
+            return self._loss_across_ranks(rows, total_units, mini_batch_size)
         module = self._loss_module(mini_batch_size, len(rows))
         features = [
             self._features(rows, self.anchor_column),
@@ -304,6 +452,59 @@ class SentenceEmbeddingRecipe(Recipe):
         # the mean over these rows, reweighted to the contract's sum / total_units; the cached
         # loss's backward hook receives this factor as its grad_output, so it reaches every replay
         return module(features, None) * (len(rows) / total_units)
+
+    def _loss_across_ranks(
+        self, rows: Sequence[Row], total_units: int, mini_batch_size: int | None
+    ) -> torch.Tensor:
+        """This rank's part of the step's loss (see :func:`ranked_mnrl_loss`): the gradient at
+        the embeddings is taken, and all-reduced, here; ``.backward()`` carries it through the
+        model (the cached loss re-embeds mini-batch by mini-batch) and ends with a sync point."""
+        ranks = self.ranks
+        if not rows:
+            # no pairs this step: join every collective with nothing of its own to add
+            width = _embedding_dimension(self.model)
+            empty = torch.zeros((0, width), device=self.device, requires_grad=True)
+            # no anchor of its own: no score is computed (the scale and similarity go unused)
+            value = ranked_mnrl_loss(
+                empty, empty, ranks=ranks, step_pairs=total_units, scale=1.0,
+                similarity_fct=None, with_backward=True,
+            )  # fmt: skip
+            return _ends_with_sync_point(value.detach().requires_grad_(), ranks)
+        module: Any = self._loss_module(mini_batch_size, len(rows))
+        features = [
+            self._features(rows, self.anchor_column),
+            self._features(rows, self.positive_column),
+        ]
+        if isinstance(module, _losses_module().MultipleNegativesRankingLoss):
+            # the whole share at once, with its graph (kept until .backward(), as in one process)
+            embeds = [self.model(part)["sentence_embedding"] for part in features]
+            # the loss's own graph starts at detached copies: its gradient at the embeddings is
+            # taken (and all-reduced) now, the model's backward waits for .backward()
+            leaves = [embed.detach().float().requires_grad_() for embed in embeds]
+            value = ranked_mnrl_loss(
+                *leaves,
+                ranks=ranks,
+                step_pairs=total_units,
+                scale=module.scale,
+                similarity_fct=module.similarity_fct,
+                with_backward=True,
+            )
+
+            def replay(grad_output: torch.Tensor) -> None:
+                # the embeddings' gradients (the caller's factor, a loss scale, applied) through
+                # the graph kept since the forward
+                grads = [
+                    (leaf.grad * grad_output).to(embed.dtype)  # type: ignore[operator]
+                    for leaf, embed in zip(leaves, embeds, strict=True)
+                ]
+                torch.autograd.backward(embeds, grads)
+
+            loss = value.detach().requires_grad_()
+            loss.register_hook(replay)
+            return _ends_with_sync_point(loss, ranks)
+        # GradCache: sentence-transformers embeds, caches and replays; the loss is the ranks' one
+        module.ranks, module.step_pairs = ranks, total_units
+        return _ends_with_sync_point(module(features, None), ranks)
 
     def eval_partial(
         self, rows: Sequence[Row]
