@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> Any:
     freeing torch's and transformers' modules one by one takes a second or more, after the
     answer is printed. Exit handlers still run and both streams are flushed first.
     """
+    from memfit.runtime import quiet_deepspeed
+
+    # transformers imports DeepSpeed, where installed, as models load: its findings are not
+    # memfit's output (its errors still show)
+    quiet_deepspeed()
     verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     if argv is not None or verb not in _QUICK_EXIT_VERBS:
         return _main(argv)

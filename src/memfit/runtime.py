@@ -116,3 +116,20 @@ class NoLog:
 
     def close(self) -> None:
         return None
+
+
+def _below_error(record: Any) -> bool:
+    import logging
+
+    return bool(record.levelno >= logging.ERROR)
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed's logger passes errors only: transformers imports DeepSpeed, wherever it is
+    installed, to check it as a model loads, and DeepSpeed then warns how it found the
+    accelerator. A filter, not a level: DeepSpeed sets its logger's level as it creates it."""
+    import logging
+
+    logger = logging.getLogger("DeepSpeed")
+    if _below_error not in logger.filters:
+        logger.addFilter(_below_error)

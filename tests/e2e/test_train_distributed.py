@@ -429,24 +429,10 @@ def test_a_users_deepspeed_file_runs_its_stage(
     assert _max_difference(one_process["short"], out) <= 1e-5
 
 
-@pytest.mark.slow
-@_NO_DEEPSPEED
-@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
-def test_a_zero_checkpoint_resumes_in_one_process_without_deepspeed(
-    tiny_classifier: str, tmp_path: Path, sharding: str
-) -> None:
-    """The checkpoint holds the whole model and optimizer state (gathered from DeepSpeed's
-    partitions), in the layout every run writes: a 2-rank ZeRO run stopped by SIGTERM ends
-    as one process with --sharding none, with the weights of an uninterrupted run."""
-    data = _write_data(tmp_path / "train.csv", 160)
-    full = tmp_path / "full"
-    _ok(_single(tmp_path, _args(tiny_classifier, data, full, "--micro-batch-size", "4")))
-    out = tmp_path / "stopped"
-    args = _args(tiny_classifier, data, out, "--micro-batch-size", "4", "--save-every", "1000")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", "-m", "memfit", *args, "--sharding", sharding]
+def _stop_after_three_steps(command: list[str], tmp_path: Path, out: Path) -> int:
+    """Run ``command``, SIGTERM it once its third step is logged; the step it stopped after."""
     process = subprocess.Popen(
-        command, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + LAUNCH_TIMEOUT
@@ -455,9 +441,55 @@ def test_a_zero_checkpoint_resumes_in_one_process_without_deepspeed(
             process.send_signal(signal.SIGTERM)
             break
         time.sleep(0.05)
-    process.communicate(timeout=LAUNCH_TIMEOUT)
+    process.wait(timeout=LAUNCH_TIMEOUT)
     stops = [e for e in _jsonl(out / "events.jsonl") if e["type"] == "stop"]
-    assert stops and stops[0]["step"] < 40
-    resumed = _single(tmp_path, [*args, "--resume"])
-    _ok(resumed)
+    assert stops and stops[0]["reason"].startswith("signal"), stops
+    return int(stops[0]["step"])
+
+
+def _adamw_args(model: str, data: Path, out: Path) -> list[str]:
+    args = _args(model, data, out, "--micro-batch-size", "4", "--save-every", "1000")
+    # AdamW: the optimizer state (moments and step counters) must cross the resume too
+    at = args.index("--optimizer")
+    args[at + 1 : at + 4] = ["adamw", "--lr", "0.001"]
+    return args
+
+
+@pytest.mark.slow
+@_NO_DEEPSPEED
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_an_adamw_zero_checkpoint_resumes_in_one_process(
+    tiny_classifier: str, tmp_path: Path, sharding: str
+) -> None:
+    """The checkpoint holds the whole model and optimizer state (gathered from DeepSpeed's
+    partitions), in the layout every run writes: a 2-rank ZeRO run stopped by SIGTERM ends as
+    one process with --sharding none, with the weights of an uninterrupted run."""
+    data = _write_data(tmp_path / "train.csv", 160)
+    full = tmp_path / "full"
+    _ok(_single(tmp_path, _adamw_args(tiny_classifier, data, full)))
+    out = tmp_path / "stopped"
+    args = _adamw_args(tiny_classifier, data, out)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", "-m", "memfit", *args, "--sharding", sharding]
+    assert _stop_after_three_steps(command, tmp_path, out) < 40
+    _ok(_single(tmp_path, [*args, "--resume"]))
+    assert _max_difference(full, out) <= 1e-5
+
+
+@pytest.mark.slow
+@_NO_DEEPSPEED
+@pytest.mark.parametrize("sharding", ["zero1", "zero3"])
+def test_a_one_process_adamw_checkpoint_resumes_under_zero(
+    tiny_classifier: str, tmp_path: Path, sharding: str
+) -> None:
+    """The other way: one process stopped by SIGTERM, resumed on 2 ranks under ZeRO (its fresh
+    engine gets the moments and step counters), ends with the uninterrupted run's weights."""
+    data = _write_data(tmp_path / "train.csv", 160)
+    full = tmp_path / "full"
+    _ok(_single(tmp_path, _adamw_args(tiny_classifier, data, full)))
+    out = tmp_path / "stopped"
+    args = _adamw_args(tiny_classifier, data, out)
+    command = [sys.executable, "-m", "memfit", *args]
+    assert _stop_after_three_steps(command, tmp_path, out) < 40
+    _ok(_launch(tmp_path, [*args, "--sharding", sharding, "--resume"]))
     assert _max_difference(full, out) <= 1e-5

@@ -11,6 +11,7 @@ a rank left waiting fails the test instead of hanging it.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import random
@@ -202,18 +203,35 @@ def test_two_hosts_equal_one_process(tiny_classifier: str, reference: dict, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("topology", "victim"),
-    [("one-host", 1), ("c10d", 0)],
-    ids=["1x2-kill-rank1", "2x1-c10d-kill-rank0"],
+    ("topology", "victim", "sharding"),
+    [
+        ("one-host", 1, "none"),
+        ("c10d", 0, "none"),
+        pytest.param(
+            "one-host",
+            0,
+            "zero3",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed"
+            ),
+        ),
+    ],
+    ids=["1x2-kill-rank1", "2x1-c10d-kill-rank0", "1x2-zero3-kill-rank0"],
 )
 def test_kill_9_of_one_rank_ends_the_others_then_resume(
-    tiny_classifier: str, reference: dict, tmp_path: Path, topology: str, victim: int
+    tiny_classifier: str,
+    reference: dict,
+    tmp_path: Path,
+    topology: str,
+    victim: int,
+    sharding: str,
 ) -> None:
     """kill -9 of one rank mid-run: the other ends within a minute with one line (exit 5) that
     names the newest checkpoint; the same command with --resume ends with the uninterrupted
-    run's weights."""
+    run's weights (under ZeRO-3 too: the survivor is inside DeepSpeed's gathers)."""
     out = tmp_path / "run"
     args = _args(tiny_classifier, reference["data"], out, "--save-every", "5")
+    args += ["--sharding", sharding]
     env = _env(tmp_path)
     agents = _start(topology, args, env)
     ranks = _ranks(agents)

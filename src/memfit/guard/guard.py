@@ -452,8 +452,16 @@ class Guard:
                 if error is None and chunk:
                     partials.append(partial)
                     start += len(chunk)
-                # one sync point a round; a rank that failed raises its flag here
-                failed = ranks.anyone(error is not None) if ranks is not None else error is not None
+                if error is not None and _from_peer(caught):
+                    # another rank's OOM, raised at a sync point inside the model's collectives
+                    # (FSDP, ZeRO-3 gather in the eval forward): that was this round's sync
+                    # point; the back-off is the other rank's
+                    failed, error = True, None
+                else:
+                    # one sync point a round; a rank that failed raises its flag here
+                    failed = (
+                        ranks.anyone(error is not None) if ranks is not None else error is not None
+                    )
                 if not failed:
                     continue
                 if self.on_recover is not None:

@@ -343,7 +343,7 @@ def _distributed_problems(cfg: TrainConfig) -> list[str]:
     if cfg.deepspeed is not None:
         from memfit.train.zero import config_problems as deepspeed_problems
 
-        problems.extend(deepspeed_problems(cfg.deepspeed, cfg.sharding))
+        problems.extend(deepspeed_problems(cfg.deepspeed, cfg.sharding, cfg.precision))
     if cfg.sharding in DEEPSPEED_SCHEMES or cfg.deepspeed is not None:
         from memfit.extras import problems as missing_packages
 
@@ -358,6 +358,14 @@ def _distributed_problems(cfg: TrainConfig) -> list[str]:
             problems.append(
                 "--sharding: DeepSpeed ZeRO is built for classification and causal-lm; "
                 "sentence-embedding runs with --sharding none"
+            )
+        if cfg.optimizer not in ("adamw", "sgd"):
+            # DeepSpeed steps the optimizer on flat 1-D partitions: Adafactor's factored moments
+            # and bitsandbytes' quantized state would not be those of one process
+            problems.append(
+                f"--optimizer {cfg.optimizer}: with DeepSpeed ZeRO memfit train runs adamw or "
+                "sgd (ZeRO steps flat partitions, which factored or quantized optimizer state "
+                "does not survive)"
             )
         if cfg.lora_rank or cfg.quantization not in (None, "none"):
             problems.append(

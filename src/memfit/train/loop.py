@@ -409,8 +409,11 @@ class TrainingRun(RunSetup):
     def zero_update(self, number: int, loss: float | None) -> float | None:
         """The update of a DeepSpeed ZeRO run: the loss checked on every rank, then
         ``engine.step()`` (ZeRO-1's reduction, DeepSpeed's clipping and update). A gradient that
-        is not finite makes DeepSpeed skip the update: the run stops there, as without ZeRO."""
-        bad = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
+        is not finite makes DeepSpeed skip the update: the run stops there, as without ZeRO,
+        except under fp16, whose loss scaler skips such steps (and lowers its scale) by design."""
+        fp16 = self.precision == "fp16"
+        finite = loss is None or math.isfinite(loss) or fp16
+        bad = [] if finite else [f"the loss is {loss}"]
         if self.ranks is not None and self.ranks.anyone(bool(bad)) and not bad:
             bad = ["another rank's loss is not finite"]
         if bad:
@@ -419,7 +422,16 @@ class TrainingRun(RunSetup):
         with CatchOom() as caught:
             norm = self.sharded.step()
         self.agree_oom(number, caught.error, peer=_peer_oom(caught))
-        if self.sharded.skipped():
+        if self.sharded.skipped() and fp16:
+            self.on_event(
+                {
+                    "type": "skip",
+                    "step": number,
+                    "reason": "DeepSpeed's fp16 loss scaler: the gradient is not finite; the "
+                    "update is skipped and the scale lowered",
+                }
+            )
+        elif self.sharded.skipped():
             self.stop_not_finite(number, [f"the gradient norm is {norm}"])
         return norm if self.cfg.max_grad_norm else None
 

@@ -108,7 +108,11 @@ def lost_contact(exc: BaseException, output_dir: Path) -> RankLostError | None:
     text = str(exc)
     lowered = text.lower()
     gone = next((phrase for phrase in _GONE if phrase in lowered), None)
-    silent = gone is None and any(phrase in lowered for phrase in _SILENT)
+    # a timeout counts only where the collectives' own libraries report it (not any timeout)
+    from_library = isinstance(exc, dist.DistError) or any(
+        name in lowered for name in ("gloo", "c10d", "nccl", "processgroup")
+    )
+    silent = gone is None and from_library and any(phrase in lowered for phrase in _SILENT)
     if gone is None and not silent and not isinstance(exc, dist.DistError):
         return None
     rank = dist.get_rank() if joined else launched_rank()

@@ -34,6 +34,9 @@ from memfit.train.setup import checked_inputs, take
 
 def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     """Fine-tune under the guard. ``memfit.train(task=..., model=..., train_file=..., output_dir=...)``."""
+    from memfit.runtime import quiet_deepspeed
+
+    quiet_deepspeed()
     cfg = config or TrainConfig(**knobs)
     if config is not None and knobs:
         cfg = dataclasses.replace(config, **knobs)

@@ -123,8 +123,13 @@ def plan_knobs(
     plan_options: dict[str, Any] = {}
     if world > 1:
         plan_options["world_size"] = world
-    if cfg.sharding != "none":
-        plan_options["sharding"] = cfg.sharding
+    from memfit.train.zero import stage_of
+
+    # a --deepspeed file's stage is the run's sharding (the plan prices it)
+    stage = stage_of(cfg)
+    sharding = f"zero{stage}" if stage is not None else cfg.sharding
+    if sharding != "none":
+        plan_options["sharding"] = sharding
     if cfg.lora_rank:
         # a LoRA run holds no base gradients or optimizer state: let the plan count adapters
         # where full fine-tuning would not fit (it prefers full fine-tuning's knobs otherwise,
@@ -237,9 +242,6 @@ class RunSetup:
     def join_ranks(self) -> None:
         """The device, and the other ranks where a launcher started several."""
         cfg = self.cfg
-        from memfit.train.zero import quiet_deepspeed
-
-        quiet_deepspeed()
         device = resolve_device(cfg.device)
         if device.type == "cpu" and cfg.precision not in (None, "fp32"):
             raise UsageError(

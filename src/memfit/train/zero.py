@@ -91,7 +91,7 @@ def read_config(path: str) -> dict[str, Any]:
     return config
 
 
-def config_problems(path: str | None, sharding: str) -> list[str]:
+def config_problems(path: str | None, sharding: str, precision: str | None = None) -> list[str]:
     """What is wrong with a ``--deepspeed`` file, before anything starts (one line each)."""
     if path is None:
         return []
@@ -102,14 +102,21 @@ def config_problems(path: str | None, sharding: str) -> list[str]:
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         return [f"--deepspeed: {path}: zero_optimization must be a JSON object"]
-    stage = zero.get("stage", 0)
-    if stage not in (1, 2, 3, "auto"):
+    named = sharding in ("zero1", "zero2", "zero3")
+    stage = zero.get("stage")
+    if stage is None and not named:
         return [
-            f"--deepspeed: {path}: zero_optimization.stage is {stage!r}; memfit train runs "
-            "ZeRO stage 1, 2 or 3"
+            f"--deepspeed: {path}: no zero_optimization.stage; name the stage in the file or "
+            "with --sharding zero1|zero2|zero3"
         ]
-    wanted = f"zero{stage}" if stage != "auto" else None
-    if wanted is None and sharding not in ("zero1", "zero2", "zero3"):
+    # (a JSON true is not stage 1)
+    if stage is not None and (isinstance(stage, bool) or stage not in (1, 2, 3, "auto")):
+        return [
+            f"--deepspeed: {path}: zero_optimization.stage is {json.dumps(stage)}; memfit train "
+            "runs ZeRO stage 1, 2 or 3"
+        ]
+    wanted = f"zero{stage}" if stage in (1, 2, 3) else None
+    if stage == "auto" and not named:
         return [
             f'--deepspeed: {path}: zero_optimization.stage is "auto"; name the stage with '
             "--sharding zero1|zero2|zero3"
@@ -119,6 +126,28 @@ def config_problems(path: str | None, sharding: str) -> list[str]:
             f"--deepspeed: {path} says ZeRO stage {stage} but --sharding is {sharding}; make "
             "them agree (or leave --sharding out)"
         ]
+    problems = []
+    offloaded = [k for k in ("offload_optimizer", "offload_param") if zero.get(k)]
+    if offloaded:
+        problems.append(
+            f"--deepspeed: {path}: zero_optimization.{offloaded[0]} (CPU/NVMe offload) is not "
+            "supported by memfit train yet; remove it"
+        )
+    if precision is not None:
+        problems.extend(_precision_problems(config, path, precision))
+    return problems
+
+
+def _precision_problems(config: dict[str, Any], path: str, precision: str) -> list[str]:
+    """A file that turns on a 16-bit mode other than the run's precision (one line)."""
+    for key in ("bf16", "fp16"):
+        section = config.get(key)
+        enabled = isinstance(section, dict) and section.get("enabled") not in (None, "auto", False)
+        if enabled and key != precision:
+            return [
+                f"--deepspeed: {path} enables {key} but the run's precision is {precision}; make "
+                f'them agree (--precision {key}, or "enabled": false in the file)'
+            ]
     return []
 
 
@@ -164,25 +193,17 @@ def build_config(
                 f"{'s are' if len(dropped) > 1 else ' is'} left out: memfit builds them from "
                 "--optimizer, --lr, --weight-decay, --lr-scheduler and --warmup-steps"
             )
-        changed = [k for k in _OWNED_KEYS if config.get(k) not in (None, "auto")]
+        changed = [
+            k for k in (*_OWNED_KEYS, "gradient_clipping") if config.get(k) not in (None, "auto")
+        ]
         if changed:
             notes.append(
                 f"--deepspeed: {', '.join(changed)} left to memfit (its guard splits each step "
-                "of --effective-batch-size into micro-batches)"
+                "of --effective-batch-size into micro-batches; --max-grad-norm clips)"
             )
-        for key in ("bf16", "fp16"):
-            section = config.get(key)
-            enabled = isinstance(section, dict) and section.get("enabled") not in (
-                None,
-                "auto",
-                False,
-            )
-            if enabled and key != precision:
-                raise UsageError(
-                    f"--deepspeed: the file enables {key} but the run's precision is "
-                    f"{precision}; make them agree (--precision {key}, or set "
-                    f'"enabled": false)'
-                )
+        # (checked before anything starts where --precision is given; here for a planned one)
+        for problem in _precision_problems(config, cfg.deepspeed, precision):
+            raise UsageError(problem)
     else:
         config = {"zero_optimization": dict(assumed)}
     for key in _OWNED_KEYS:
@@ -311,6 +332,9 @@ class ZeroModel:
         """After an OOM: drop the failed attempt's gradients wherever DeepSpeed keeps them, so
         the step's re-run accumulates from scratch (see the module docstring)."""
         opt = self.optimizer
+        if torch.cuda.is_available():
+            # reductions still running on DeepSpeed's side stream (overlap_comm) end first
+            torch.cuda.synchronize()
         if self.stage in (1, 2):
             from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
@@ -447,6 +471,7 @@ class ZeroModel:
         from deepspeed.utils import safe_get_full_optimizer_state
 
         inner = self.optimizer.optimizer
+        self._link_state()
         keys = sorted(
             {k for state in inner.state.values() for k, v in state.items() if _per_element(v)}
         )
@@ -486,6 +511,7 @@ class ZeroModel:
         names = {id(p): n for n, p in self.model.named_parameters()}
         saved_state = optimizer_state.get("state", {})
         inner = self.optimizer.optimizer
+        self._make_state(saved_state)
         with self.comm.disarmed():
             for index, param in enumerate(trained):
                 weights = model_state[names[id(param)]]
@@ -508,6 +534,33 @@ class ZeroModel:
             optimizer.param_groups, optimizer_state["param_groups"], strict=True
         ):
             group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _make_state(self, saved_state: dict[Any, dict[str, Any]]) -> None:
+        """A fresh engine's optimizer has no state yet (DeepSpeed's optimizer makes it at the
+        first step): zeros of each saved key on every flat master partition, which the loaded
+        values then fill (``safe_set_full_optimizer_state`` writes into them)."""
+        opt, inner = self.optimizer, self.optimizer.optimizer
+        keys = sorted(
+            {k for entry in saved_state.values() for k, v in entry.items() if _per_element(v)}
+        )
+        if not keys or inner.state:
+            return
+        flats = (
+            opt.fp32_partitioned_groups_flat
+            if self.stage == 3
+            else opt.single_partition_of_fp32_groups
+        )
+        for flat in flats:
+            inner.state[flat] = {key: torch.zeros_like(flat) for key in keys}
+        self._link_state()
+
+    def _link_state(self) -> None:
+        """ZeRO-1/2: each parameter's fragment of the flat partition linked to the optimizer's
+        state (DeepSpeed links it once, and before the first step's state exists)."""
+        opt = self.optimizer
+        if self.stage in (1, 2):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
 
     def _weights_from_master(self) -> None:
         """The module's (16-bit or fp32) weights from the fp32 master partitions just loaded, as
@@ -573,19 +626,13 @@ def start_engine(
     return ZeroModel(engine, model, comm, int(config["zero_optimization"]["stage"]))
 
 
-def quiet_deepspeed() -> None:
-    """DeepSpeed's logger at warnings that matter: transformers imports DeepSpeed to check it
-    (wherever it is installed), and DeepSpeed then logs how it found the accelerator."""
-    import logging
-
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-
-
 def _import_deepspeed() -> Any:
     from memfit.extras import is_installed, missing_line
 
     if not is_installed("deepspeed"):
         raise UsageError(missing_line("deepspeed", "--sharding zero1|zero2|zero3"))
+    from memfit.runtime import quiet_deepspeed
+
     quiet_deepspeed()
     with contextlib.redirect_stdout(io.StringIO()):
         import deepspeed

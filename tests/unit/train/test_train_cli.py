@@ -44,6 +44,16 @@ def test_bad_flags_exit_2_before_anything_is_written(
     assert not out.exists()
 
 
+def test_zero_refuses_optimizers_whose_state_flat_partitions_would_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _train(tmp_path, "--sharding", "zero2", "--optimizer", "adafactor")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    # with the one-process line: every problem at once, one line each
+    assert any(x.startswith("memfit: error: --optimizer adafactor: with DeepSpeed") for x in lines)
+
+
 def test_a_model_that_cannot_be_had_offline_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

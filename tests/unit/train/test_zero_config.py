@@ -78,7 +78,7 @@ def test_a_users_file_has_its_auto_values_filled_and_memfits_keys_taken_back(
 
 def test_a_file_that_enables_another_precision_is_refused(tmp_path: Path) -> None:
     path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}})
-    with pytest.raises(UsageError, match="enables fp16 but the run's precision is fp32"):
+    with pytest.raises(UsageError, match="enables fp16 but the run.s precision is fp32"):
         build_config(_cfg(deepspeed=path), stage=2, hidden_size=64, precision="fp32", micro=1)
 
 
@@ -97,6 +97,13 @@ def test_a_file_that_is_not_json_names_the_line(tmp_path: Path) -> None:
         ({"zero_optimization": {"stage": 0}}, "none", "runs ZeRO stage 1, 2 or 3"),
         ({"zero_optimization": {"stage": "auto"}}, "none", 'stage is "auto"; name the stage'),
         ([1, 2], "zero2", "a DeepSpeed config is a JSON object"),
+        ({"zero_optimization": {"stage": True}}, "none", "stage is true; memfit train runs"),
+        ({"bf16": {"enabled": True}}, "none", "no zero_optimization.stage; name the stage"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            "none",
+            "offload_param (CPU/NVMe offload) is not supported",
+        ),
     ],
 )
 def test_file_problems_are_one_line_each(
@@ -117,3 +124,18 @@ def test_agreeing_file_and_flag_and_auto_with_a_flag_are_fine(tmp_path: Path) ->
     path = _write(tmp_path, {"zero_optimization": {"stage": "auto"}})
     assert config_problems(path, "zero3") == []
     assert stage_of(_cfg(deepspeed=path, sharding="zero3")) == 3
+
+
+def test_a_stage_named_by_the_flag_needs_none_in_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"bf16": {"enabled": "auto"}})
+    assert config_problems(path, "zero2") == []
+    assert stage_of(_cfg(deepspeed=path, sharding="zero2")) == 2
+
+
+def test_the_files_precision_against_the_flag_is_checked_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    problems = config_problems(path, "none", "fp16")
+    assert len(problems) == 1 and "enables bf16 but the run's precision is fp16" in problems[0]
+    assert config_problems(path, "none", "bf16") == []
