@@ -78,7 +78,7 @@ def test_a_users_file_has_its_auto_values_filled_and_memfits_keys_taken_back(
 
 def test_a_file_that_enables_another_precision_is_refused(tmp_path: Path) -> None:
     path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}})
-    with pytest.raises(UsageError, match="enables fp16 but the run.s precision is fp32"):
+    with pytest.raises(UsageError, match=r"enables fp16 but the run.s precision is fp32"):
         build_config(_cfg(deepspeed=path), stage=2, hidden_size=64, precision="fp32", micro=1)
 
 
