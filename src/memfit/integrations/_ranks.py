@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.guard.guard import PeerOutOfMemory
+from memfit.guard.sync import any_flag, reduce_ints, sum_gradients
 
 # accelerate's data-parallel kinds: a DDP wrapper and nothing else communicating
 _DATA_PARALLEL = {
@@ -102,11 +103,8 @@ class SyncPoints:
 
     def anyone(self, failed: bool) -> bool:
         """A sync point: whether any rank (this one included) reports a failure."""
-        self._flags.fill_(0)
-        self._flags[0:1].fill_(int(bool(failed)))
-        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group)
         self.syncs += 1
-        return bool(self._flags[0].item())
+        return any_flag(self._flags, failed, self.group)
 
     def check(self) -> None:
         """A sync point for a rank that is fine: PeerOutOfMemory if another is not."""
@@ -122,35 +120,13 @@ class SyncPoints:
         return self._reduce(*values, op=dist.ReduceOp.MIN)
 
     def _reduce(self, *values: int, op: Any) -> tuple[int, ...]:
-        ints = self._ints
-        if len(values) > len(ints):
-            raise ValueError(f"at most {len(ints)} values, got {len(values)}")
-        ints.fill_(0)
-        for i, value in enumerate(values):
-            ints[i : i + 1].fill_(int(value))
-        dist.all_reduce(ints, op=op, group=self.group)
-        return tuple(int(x) for x in ints[: len(values)].tolist())
+        return reduce_ints(self._ints, values, op, self.group)
 
     def finish_gradients(self) -> None:
         """After a step's last call: give every rank the same set of gradients (zeros where only
         another rank has one), agree nobody ran out of memory, then sum each ``.grad`` in place
         and divide by the ranks, as DDP averages them."""
-        used = self._used
-        for i, param in enumerate(self.params):
-            used[i : i + 1].fill_(int(param.grad is not None))
-        # every rank has passed the last chunk's sync point, and allocated nothing since
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
-        for param, anyone_used in zip(self.params, used.tolist(), strict=True):
-            if anyone_used and param.grad is None:
-                # the only allocation before the reduction: the sync point below covers it
-                param.grad = torch.zeros_like(param)
-        self.check()
-        grads = [p.grad for p in self.params if p.grad is not None]
-        # in place, after a sync point with nothing allocated since: every rank joins each one
-        works = [dist.all_reduce(g, op=dist.ReduceOp.SUM, async_op=True) for g in grads]
-        for work in works:
-            assert work is not None
-            work.wait()
+        grads = sum_gradients(self.params, self._used, self.check, self.group)
         with torch.no_grad():
             for grad in grads:
                 grad.div_(self.world_size)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.guard.guard import PeerOutOfMemory
+from memfit.guard.sync import any_flag, reduce_ints, sum_gradients
 from memfit.runtime import launched_rank
 
 
@@ -114,13 +115,8 @@ class Ranks:
     # -- agreement -----------------------------------------------------------------------------
     def anyone(self, failed: bool) -> bool:
         """A sync point: whether any rank (this one included) reports a failure."""
-        flags = self._flags
-        # in place, no Python scalar turned into a tensor: a sync point allocates nothing
-        flags.fill_(0)
-        flags[0:1].fill_(int(bool(failed)))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flag_group)
         self.syncs += 1
-        return bool(flags[0].item())
+        return any_flag(self._flags, failed, self.flag_group)
 
     def check(self) -> None:
         """A sync point for a rank that is fine: raise :class:`PeerOutOfMemory` if another is not."""
@@ -136,14 +132,7 @@ class Ranks:
         return self._reduce_ints(values, dist.ReduceOp.MIN)
 
     def _reduce_ints(self, values: Sequence[int], op: Any) -> tuple[int, ...]:
-        ints = self._ints
-        if len(values) > len(ints):
-            raise ValueError(f"at most {len(ints)} values, got {len(values)}")
-        ints.fill_(0)
-        for i, value in enumerate(values):
-            ints[i : i + 1].fill_(int(value))
-        dist.all_reduce(ints, op=op, group=self.flag_group)
-        return tuple(int(x) for x in ints[: len(values)].tolist())
+        return reduce_ints(self._ints, values, op, self.flag_group)
 
     # -- gradients -----------------------------------------------------------------------------
     def finish_gradients(self, params: Sequence[torch.Tensor]) -> None:
@@ -157,28 +146,9 @@ class Ranks:
         if self.reduces_in_backward:
             self.check()
             return
-        used = self._mask
-        if len(used) != len(params):
+        if len(self._mask) != len(params):
             raise RuntimeError("Ranks.prepare(params) must be called with the trained parameters")
-        for i, param in enumerate(params):
-            used[i : i + 1].fill_(int(param.grad is not None))
-        # one more small collective, joined by every rank: all have passed the micro-batches'
-        # last sync point, and nothing was allocated since
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.flag_group)
-        for param, anyone_used in zip(params, used.tolist(), strict=True):
-            if anyone_used and param.grad is None:
-                # the only allocation between here and the reduction: covered by the sync below
-                param.grad = torch.zeros_like(param)
-        self.check()
-        # after the sync no rank allocates before joining: each in-place reduction is safe
-        works = [
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, async_op=True)
-            for p in params
-            if p.grad is not None
-        ]
-        for work in works:
-            assert work is not None
-            work.wait()
+        sum_gradients(params, self._mask, self.check, self.flag_group)
 
     # -- metrics and objects -------------------------------------------------------------------
     def gather_floats(self, values: Sequence[float | None]) -> list[list[float | None]]:
