@@ -25,7 +25,8 @@ FSDP, tensor parallelism, a loss that gathers embeddings across ranks) steps asi
 
 :class:`SyncPoints` is the part of ``memfit train``'s ``memfit.train.distributed.Ranks`` that
 the guard needs (the package map keeps ``integrations`` from importing ``train``): the same
-protocol, so the same agreement (:func:`memfit.guard.policy.agree`).
+protocol, so the same agreement (:func:`memfit.guard.policy.agree`), and the same collectives
+(:mod:`memfit.guard.sync`).
 """
 
 from __future__ import annotations

@@ -436,6 +436,8 @@ class RunSetup:
         if self.main and not cfg.quiet:
             for note in notes:
                 say(f"memfit: {note}")
+            # DeepSpeed's import and engine take seconds (its optimizers' modules compile-load)
+            say(f"memfit: starting DeepSpeed ZeRO-{stage} over {self.world} ranks")
         self.zero_stage = stage
         self.sharded = start_engine(model, self.optimizer, self.ranks, config)
 

@@ -32,6 +32,7 @@ and ``fsdp`` write, so a run resumes on any number of ranks, with or without Dee
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import warnings
@@ -611,9 +612,9 @@ def start_engine(
     if not torch.cuda.is_available():
         # on CPU ranks DeepSpeed would compile a shared-memory all-reduce (a C++ extension,
         # built with ninja at the first start); memfit's ranks talk over gloo
-        from deepspeed.comm import torch as ds_torch_backend
-
-        ds_torch_backend.build_shm_op = lambda: None
+        # (the module itself: ``deepspeed.comm``'s attribute ``torch`` is PyTorch)
+        backend_module = importlib.import_module("deepspeed.comm.torch")
+        setattr(backend_module, "build_shm_op", lambda: None)  # noqa: B010
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     # DeepSpeed 0.19 calls torch's all_gather_into_tensor / reduce_scatter_tensor, which warn
     # (FutureWarning) at each of the thousands of calls a run makes: DeepSpeed's to change
