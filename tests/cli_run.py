@@ -16,3 +16,11 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_ok(*argv: str) -> None:
+    """``memfit ARGV`` in the test's process (its output left to pytest), which must exit 0."""
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        assert not exc.code, f"memfit {' '.join(argv)} exited with {exc.code}"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -10,12 +12,49 @@ from typing import Any
 
 import pytest
 
+from ranks_group import RANKS_GROUP, launches_ranks, order_for_workers
 from tiny_models import gpt2_config, save_bert_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# traces cached on disk go to a fresh folder per test session
-os.environ.setdefault("MEMFIT_CACHE_DIR", tempfile.mkdtemp(prefix="memfit-cache-"))
+# traces cached on disk go to one fresh folder per test session, shared by the pytest-xdist
+# workers (they inherit this process's environment) and the subprocesses the tests start: a model
+# one test traced is not traced again by another (cache files are written whole: os.replace)
+if "MEMFIT_CACHE_DIR" not in os.environ:
+    os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-cache-")
+    atexit.register(shutil.rmtree, os.environ["MEMFIT_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, a test module is one unit of work, and every module that starts
+    several ranks belongs to one group run by one worker, first: see :mod:`ranks_group`."""
+    order_for_workers(items)
+
+
+@pytest.fixture(autouse=True)
+def _rank_launches_stay_in_their_group(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A safety net under the module scan of :mod:`ranks_group`: a test outside the ranks group
+    that starts torchrun (through a helper the scan did not see) fails, saying so."""
+    marks = [m.args[0] if m.args else None for m in request.node.iter_markers("xdist_group")]
+    if RANKS_GROUP in marks:
+        return
+    import subprocess
+
+    start = subprocess.Popen.__init__
+
+    def checked(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if launches_ranks(args):
+            pytest.fail(
+                f"{request.node.nodeid} starts several ranks ({args!r}) but its module was not "
+                "put in the ranks group: tests/ranks_group.py finds a module by the launch "
+                "commands named in its source or in the tests' helper modules it imports"
+            )
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked)
 
 
 @pytest.fixture(scope="session")

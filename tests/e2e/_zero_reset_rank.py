@@ -1,7 +1,8 @@
 """One rank of tests/e2e/test_zero_reset.py (run by torchrun): the guard over DeepSpeed ZeRO with
 out-of-memory errors injected at chosen points, against plain full-batch SGD in one process.
 
-argv: STAGE OUT_JSON. Injected: step 2, rank 1, micro-batch 2's forward; step 3, rank 0,
+argv: OUT_FOLDER STAGE [STAGE ...]: each stage in turn in this launch (one process group, a new
+engine each), its results in ``OUT_FOLDER/stageN.json`` (rank 0) and ``stageN.json.rankR``. Injected: step 2, rank 1, micro-batch 2's forward; step 3, rank 0,
 micro-batch 1's backward (after a reduce bucket may have gone out); step 4, rank 1, the last
 micro-batch's backward. Each is a real ``torch.OutOfMemoryError`` raised inside the engine's
 forward or backward; the other rank learns of it at its next sync point.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +22,8 @@ from memfit.train.distributed import init_ranks
 from memfit.train.zero import build_config, start_engine
 
 STEPS, ROWS, FEATURES = 5, 8, 16
-INJECT = {(2, 1, 1, "forward"), (3, 0, 0, "backward"), (4, 1, 1, "backward")}
+INJECTIONS = frozenset({(2, 1, 1, "forward"), (3, 0, 0, "backward"), (4, 1, 1, "backward")})
+INJECT: set[tuple[int, int, int, str]] = set()  # what is still to fire in the stage running
 
 
 class Net(nn.Module):
@@ -88,8 +91,16 @@ def reference(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    stage, out = int(sys.argv[1]), sys.argv[2]
+    folder, stages = sys.argv[1], [int(a) for a in sys.argv[2:]]
     ranks = init_ranks("cpu")
+    for stage in stages:
+        run_stage(stage, f"{folder}/stage{stage}.json", ranks)
+    ranks.close()
+
+
+def run_stage(stage: int, out: str, ranks: Any) -> None:
+    INJECT.clear()
+    INJECT.update(INJECTIONS)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(STEPS * ROWS, FEATURES, generator=generator)
     y = torch.randint(0, 3, (STEPS * ROWS,), generator=generator)
@@ -136,7 +147,6 @@ def main() -> None:
         json.dump({"events": [e["type"] for e in events], "left": len(left)}, f)
     ranks.barrier()
     zero.close()
-    ranks.close()
 
 
 if __name__ == "__main__":

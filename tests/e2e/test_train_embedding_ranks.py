@@ -16,19 +16,20 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from _train_ranks import launch_jobs, rank_peaks
 from safetensors.torch import load_file
 
+from cli_run import run_ok
 from tiny_models import save_bert, save_sentence_transformer
 
 pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 WORDS = [f"w{i}" for i in range(40)]
-LAUNCH_TIMEOUT = 240  # seconds for a whole 2-rank run: a hang fails instead of blocking CI
+JOBS_TIMEOUT = 600  # seconds for the launch of every 2-rank run: a hang fails, never blocks CI
 PAIRS_PER_STEP = "7"  # odd: the ranks get 4 and 3 pairs
 LOSSES = ("mnrl", "cached-mnrl")
 
@@ -49,7 +50,6 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
-        MEMFIT_CACHE_DIR=str(tmp_path / "memfit-cache"),
         HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"),
         TRANSFORMERS_VERBOSITY="error",
     )
@@ -63,28 +63,6 @@ def _args(model: str, data: Path, dev: Path, out: Path, loss: str, *extra: str) 
         "--effective-batch-size", PAIRS_PER_STEP, "--optimizer", "sgd", "--lr", "0.2",
         "--seed", "3", "--device", "cpu", "--epochs", "2", "--max-seq-len", "16", *extra,
     ]  # fmt: skip
-
-
-def _launch(tmp_path: Path, args: list[str], *, ranks: int = 2) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc_per_node={ranks}", "-m", "memfit", *args]
-    return subprocess.run(
-        command, env=_env(tmp_path), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-    )
-
-
-def _single(tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "memfit", *args],
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )
-
-
-def _ok(run: subprocess.CompletedProcess) -> None:
-    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -103,10 +81,20 @@ def _max_difference(a: Path, b: Path) -> float:
     return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
 
 
+def capped_cap(folder: Path) -> int:
+    """Between one pair per mini-batch (cached-mnrl at 1, either rank) and a whole share (mnrl's
+    first step, on the smaller rank)."""
+    peaks = {loss: rank_peaks(folder / loss) for loss in LOSSES}
+    fits = max(max(p) for p in peaks["cached-mnrl"])
+    whole = min(peaks["mnrl"][0])
+    return (fits + whole) // 2
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One process (the reference), then 2 ranks with each loss; the 2-rank runs count live
-    tensor bytes under a cap that never bites, for the capped test's cap."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process (the reference, in this process), then one 2-rank launch: each loss under a cap
+    that never bites (live tensor bytes counted, for the capped jobs' cap), then each loss under
+    a cap between one pair per mini-batch and a whole share."""
     root = tmp_path_factory.mktemp("embedding-ranks")
     encoder = root / "encoder"
     encoder.mkdir()
@@ -115,13 +103,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_sentence_transformer(model, encoder, max_seq_length=16)
     data = _write_pairs(root / "train.csv", 22, seed=1)
     dev = _write_pairs(root / "dev.csv", 15, seed=2)
-    out = {"model": model, "data": data, "dev": dev, "one": root / "one"}
-    _ok(_single(root, _args(str(model), data, dev, out["one"], "mnrl")))
+    out: dict[str, Any] = {"model": model, "data": data, "dev": dev, "one": root / "one"}
+    run_ok(*_args(str(model), data, dev, out["one"], "mnrl"))
+    launch = root / "launch"
+    launch.mkdir()
     # mnrl: each rank's whole share at once; cached-mnrl: one pair per mini-batch
-    for loss, extra in zip(LOSSES, ([], ["--mini-batch-size", "1"]), strict=True):
-        out[loss] = root / loss
-        args = _args(str(model), data, dev, out[loss], loss, *extra, "--memory-cap", "10GiB")
-        _ok(_launch(root, args))
+    jobs: list[dict[str, Any]] = [
+        {"name": loss, "argv": _args(str(model), data, dev, launch / loss, loss, *extra,
+                                     "--memory-cap", "10GiB")}
+        for loss, extra in zip(LOSSES, ([], ["--mini-batch-size", "1"]), strict=True)
+    ]  # fmt: skip
+    # mnrl backs off from each rank's whole share to GradCache; cached-mnrl to a smaller
+    # mini-batch
+    cap = {"function": f"{__name__}:capped_cap"}
+    for loss, extra in zip(LOSSES, ([], ["--mini-batch-size", "4"]), strict=True):
+        argv = _args(str(model), data, dev, launch / f"capped-{loss}", loss, *extra)
+        jobs.append({"name": f"capped-{loss}", "argv": argv, "cap": cap})
+    out["launched"] = launch_jobs(launch, jobs, _env(root), timeout=JOBS_TIMEOUT)
+    for loss in LOSSES:
+        out[loss] = out["launched"].out(loss)
     return out
 
 
@@ -146,22 +146,20 @@ def test_two_ranks_equal_one_process(runs: dict[str, Path], loss: str) -> None:
         assert [m[key] for m in got] == pytest.approx([m[key] for m in expected], abs=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("loss", "mini_batch"), [("mnrl", []), ("cached-mnrl", ["--mini-batch-size", "4"])]
-)
+@pytest.mark.parametrize("loss", LOSSES)
 def test_a_cap_on_both_ranks_backs_off_together_same_weights(
-    runs: dict[str, Path], tmp_path: Path, loss: str, mini_batch: list[str]
+    runs: dict[str, Any], loss: str
 ) -> None:
-    """mnrl backs off from each rank's whole share to GradCache; cached-mnrl to a smaller
-    mini-batch. The cap sits between one pair per mini-batch and a whole share on either rank."""
+    """mnrl backs off from each rank's whole share to GradCache; cached-mnrl (at a mini-batch of
+    4) to a smaller mini-batch. The cap sits between one pair per mini-batch and a whole share on
+    either rank."""
     peaks = {name: [m["rank_peak_bytes"] for m in _steps(runs[name])] for name in LOSSES}
     fits = max(max(p) for p in peaks["cached-mnrl"])  # one pair per mini-batch
     whole = min(peaks["mnrl"][0])  # the first step's whole share, on the smaller rank
     assert fits < whole, peaks
-    cap = (fits + whole) // 2
-    out = tmp_path / "capped"
-    args = _args(str(runs["model"]), runs["data"], runs["dev"], out, loss, *mini_batch)
-    _ok(_launch(tmp_path, [*args, "--memory-cap", str(cap)]))
+    out = runs["launched"].out(f"capped-{loss}")
+    cap = json.loads((out / "run.json").read_text())["config"]["memory_cap"]
+    assert cap == (fits + whole) // 2 == capped_cap(runs["launched"].folder)
     events = _jsonl(out / "events.jsonl")
     ooms = [e for e in events if e["type"] == "oom" and e.get("phase") is None]
     assert {e["rank"] for e in ooms} == {0, 1}, events  # both ranks ran out of memory

@@ -1,7 +1,7 @@
 """After an OOM inside DeepSpeed's forward or backward, ZeRO's state is reset so the step's re-run
 gives the gradient of a run without the OOM (memfit.train.zero.ZeroModel.reset).
 
-Two CPU ranks (torchrun, gloo) run 5 SGD steps of a small MLP under the guard over DeepSpeed,
+Two CPU ranks (torchrun, gloo; one launch runs every stage) run 5 SGD steps of a small MLP under the guard over DeepSpeed,
 with real ``torch.OutOfMemoryError`` raised at chosen points (a forward on rank 1, a backward on
 rank 0 after a gradient bucket may have been reduced, the last backward on rank 1); each time
 both ranks back off and re-run the step. The final weights are compared with plain full-batch
@@ -29,13 +29,15 @@ pytestmark = [
 RANK_SCRIPT = Path(__file__).with_name("_zero_reset_rank.py")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_step_rerun_after_injected_ooms_gives_the_unbroken_gradient(
-    tmp_path: Path, stage: int
-) -> None:
-    out = tmp_path / "result.json"
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every stage, one after another, in one 2-rank launch (DeepSpeed starts once)."""
+    folder = tmp_path_factory.mktemp("zero-reset")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", str(RANK_SCRIPT), str(stage), str(out)]
+    command += ["--nproc_per_node=2", str(RANK_SCRIPT), str(folder), *map(str, STAGES)]
     run = subprocess.run(
         command,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -44,6 +46,14 @@ def test_a_step_rerun_after_injected_ooms_gives_the_unbroken_gradient(
         timeout=240,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_rerun_after_injected_ooms_gives_the_unbroken_gradient(
+    launched: Path, stage: int
+) -> None:
+    out = launched / f"stage{stage}.json"
     result = json.loads(out.read_text())
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
     assert all(r["left"] == 0 for r in ranks)  # every injected OOM fired

@@ -97,6 +97,9 @@ class Ranks:
     syncs: int = 0
     # FSDP reduce-scatters the gradients in its backward: nothing left to reduce after the step
     reduces_in_backward: bool = False
+    # whether memfit started the process group (and so ends it in close()): a script that joined
+    # the ranks itself before calling memfit.train keeps its group for its own work after it
+    owns_group: bool = True
 
     @property
     def is_main(self) -> bool:
@@ -194,9 +197,13 @@ class Ranks:
                 dist.broadcast(tensor.data, src=0)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
+        if not dist.is_initialized():
+            return
+        with contextlib.suppress(Exception):
+            if self.owns_group:
                 dist.destroy_process_group()
+            elif self.flag_group is not None:
+                dist.destroy_process_group(self.flag_group)
 
 
 def init_ranks(device_type: str, *, timeout_minutes: float | None = None) -> Ranks:
@@ -220,7 +227,8 @@ def init_ranks(device_type: str, *, timeout_minutes: float | None = None) -> Ran
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend=backend, timeout=timeout)
     flag_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Ranks(
@@ -230,4 +238,5 @@ def init_ranks(device_type: str, *, timeout_minutes: float | None = None) -> Ran
         device=device,
         backend=backend,
         flag_group=flag_group,
+        owns_group=owns_group,
     )

@@ -48,9 +48,45 @@ def lora_problems(cfg: Any) -> list[str]:
             problems.append("--lora-target-modules: only with --lora-rank R (LoRA adapters)")
         if cfg.merge_lora:
             problems.append("--merge-lora: only with --lora-rank R (LoRA adapters)")
+    elif cfg.task == "sentence-embedding":
+        problem = peft_integration_problem()
+        if problem:
+            problems.append(problem)
     # QLoRA's own (the package, the task); its need of --lora-rank is the job's check
     problems.extend(quantization_problems(cfg))
     return problems
+
+
+def peft_integration_problem() -> str | None:
+    """Why transformers' own PEFT integration would refuse the installed peft, or None.
+
+    LoRA on a sentence-transformers model goes through it (``add_adapter``, and loading the
+    adapter folder back), and transformers raises a bare ValueError there when peft is older than
+    its ``MIN_PEFT_VERSION`` (transformers 5.24 wants peft 0.22): said up front instead.
+    """
+    import importlib.metadata
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        installed = importlib.metadata.version("peft")
+        from transformers.integrations.peft import MIN_PEFT_VERSION
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        return None  # no peft: the extra's own line; no such constant: no such check
+    try:
+        too_old = Version(installed) < Version(str(MIN_PEFT_VERSION))
+    except InvalidVersion:
+        return None
+    if not too_old:
+        return None
+    import transformers
+
+    return (
+        f"--lora-rank: LoRA on a sentence-transformers model goes through transformers' PEFT "
+        f"integration, and transformers {transformers.__version__} accepts peft "
+        f"{MIN_PEFT_VERSION} or newer, not the installed {installed}: pip install -U "
+        f"'peft>={MIN_PEFT_VERSION}', or a transformers release that accepts peft {installed}"
+    )
 
 
 @contextmanager

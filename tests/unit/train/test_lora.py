@@ -242,3 +242,48 @@ def test_cli_unknown_target_exits_2_naming_the_layers_and_writes_nothing(
     assert "query" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_peft_older_than_transformers_integration_wants_is_one_line_before_anything(
+    tmp_path: Path,
+    bert_dir: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LoRA on a sentence-transformers model goes through transformers' PEFT integration, which
+    raises a bare ValueError for a peft older than its MIN_PEFT_VERSION (transformers 5.24 with
+    peft 0.21): memfit names the flag and the versions before anything is written."""
+    import importlib.metadata
+
+    import transformers.integrations.peft as integration
+
+    installed = importlib.metadata.version("peft")
+    cfg = TrainConfig(
+        task="sentence-embedding", model="m", train_file="-", output_dir="-", lora_rank=4
+    )
+    monkeypatch.setattr(integration, "MIN_PEFT_VERSION", installed, raising=False)
+    assert not any("PEFT integration" in p for p in lora_problems(cfg))
+    monkeypatch.setattr(integration, "MIN_PEFT_VERSION", "999.0", raising=False)
+    # the other tasks load peft's own PeftModel: no such check
+    assert lora_problems(TrainConfig(**{**cfg.__dict__, "task": "classification"})) == []
+    data = tmp_path / "pairs.csv"
+    data.write_text("anchor,positive\nthe cat sat,a cat\nthe dog ran,a dog\n")
+    out = tmp_path / "out"
+    args = ["train", "--task", "sentence-embedding", "--model", bert_dir, "--train-file", str(data)]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--output-dir", str(out), "--device", "cpu", "--lora-rank", "4"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.strip().splitlines() == [
+        "memfit: error: --lora-rank: LoRA on a sentence-transformers model goes through "
+        f"transformers' PEFT integration, and transformers {transformers_version()} accepts peft "
+        f"999.0 or newer, not the installed {installed}: pip install -U 'peft>=999.0', or a "
+        f"transformers release that accepts peft {installed}"
+    ]
+    assert not out.exists()
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
