@@ -25,6 +25,16 @@ if "MEMFIT_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["MEMFIT_CACHE_DIR"], ignore_errors=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist every core already runs a test process: each of them, and every process
+    a test starts, computes on one thread. Several threads per process on a core each would be
+    oversubscribed (OpenMP's spinning threads slowed some tests 6-fold)."""
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if isinstance(workers, int) and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
+        for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(variable, "1")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist, a test module is one unit of work, and every module that starts

@@ -277,3 +277,31 @@ def test_one_row_too_large_on_one_rank_stops_both(tmp_path: Path) -> None:
 def test_sync_points_allocate_nothing_under_the_cap(tmp_path: Path) -> None:
     results = _spawn("cap", tmp_path)
     assert results[0]["sync_bytes"] == 0 and results[1]["sync_bytes"] == 0
+
+
+def test_memfit_ends_only_a_process_group_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script that joined the ranks itself (and trains several times, or goes on after
+    memfit.train) keeps its process group; one memfit started, memfit ends."""
+    from memfit.train.distributed import init_ranks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1"
+    ).items():
+        monkeypatch.setenv(name, value)
+    ranks = init_ranks("cpu")  # memfit starts the group
+    assert ranks.owns_group and dist.is_initialized()
+    ranks.close()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(2):  # the caller's group, used by two runs in turn
+            ranks = init_ranks("cpu")
+            assert not ranks.owns_group
+            ranks.barrier()
+            ranks.close()
+            assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
