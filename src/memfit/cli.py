@@ -197,19 +197,26 @@ def main(argv: list[str] | None = None) -> Any:
 
     Run as a program (``argv`` None), a read-only verb ends without the interpreter's teardown:
     freeing torch's and transformers' modules one by one takes a second or more, after the
-    answer is printed. Exit handlers still run and both streams are flushed first.
+    answer is printed. So does a rank of a training run of several ranks, once its part is
+    written and its process group is gone: the teardown destroys the process group's C++
+    threads in an order that can end in ``std::terminate`` ("terminate called without an active
+    exception", SIGABRT: seen on a finished run's rank on a loaded 2-core machine), and the
+    launcher then reports the finished run as failed. Exit handlers still run and both streams
+    are flushed first.
     """
-    from memfit.runtime import quiet_deepspeed
+    from memfit.runtime import launched_world_size, quiet_deepspeed
 
     # transformers imports DeepSpeed, where installed, as models load: its findings are not
     # memfit's output (its errors still show)
     quiet_deepspeed()
     verb = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if argv is not None or verb not in _QUICK_EXIT_VERBS:
+    a_rank = verb == "train" and launched_world_size() > 1
+    if argv is not None or (verb not in _QUICK_EXIT_VERBS and not a_rank):
         return _main(argv)
-    # importing torch and transformers makes millions of objects, and the collector's default
-    # thresholds walk them again and again (about a second of a cold estimate): collect rarely
-    gc.set_threshold(50_000, 20, 100)
+    if not a_rank:
+        # importing torch and transformers makes millions of objects, and the collector's
+        # default thresholds walk them again and again (about a second of a cold estimate)
+        gc.set_threshold(50_000, 20, 100)
     try:
         _main(None)
         code = 0

@@ -52,6 +52,9 @@ WORDS = [f"w{i}" for i in range(60)]
 LAUNCH_TIMEOUT = 240  # seconds for a whole 2-rank run: a hang fails instead of blocking CI
 JOBS_TIMEOUT = 900  # seconds for the launch of one scheme's jobs (about 12 runs)
 UNREACHABLE = "10GiB"  # a cap that never bites: every rank's live tensor bytes are counted
+# the runs stopped by SIGTERM and resumed: 64 rows, 8 a step, 2 epochs
+RESUME_ROWS = 64
+RESUMED_STEPS = RESUME_ROWS // 8 * 2
 
 
 def long_steps(peaks: list[list[int]]) -> list[int]:
@@ -226,8 +229,9 @@ class Runs:
         inputs.mkdir()
         self.data = _write_data(inputs / "train.csv", 40)
         self.long_data = _write_data(inputs / "long.csv", 40, long_rows=(5,))
-        # 40 steps: a SIGTERM after the third leaves the resume work to do
-        self.data_160 = _write_data(inputs / "train-160.csv", 160)
+        # RESUMED_STEPS steps: a SIGTERM after the third leaves the resume work to do, across the
+        # epoch's end
+        self.resume_data = _write_data(inputs / "resume.csv", RESUME_ROWS)
         self.dev = _write_data(inputs / "dev.csv", 13, seed=5)
         self.corpus = _write_corpus(inputs / "corpus.jsonl")
 
@@ -248,7 +252,7 @@ class Runs:
                 str(self.dev),
             ),
             "causal": _causal_args(self.gpt2, self.corpus, out),
-            "adamw": _adamw_args(self.classifier, self.data_160, out),
+            "adamw": _adamw_args(self.classifier, self.resume_data, out),
         }[name]
         run_ok(*args)
         return out
@@ -262,9 +266,9 @@ class Runs:
             sys.executable,
             "-m",
             "memfit",
-            *_adamw_args(self.classifier, self.data_160, out),
+            *_adamw_args(self.classifier, self.resume_data, out),
         ]
-        assert _stop_after_three_steps(command, self.root, out) < 40
+        assert _stop_after_three_steps(command, self.root, out) < RESUMED_STEPS
         return out
 
     def jobs(self, sharding: str, folder: Path) -> list[dict[str, Any]]:
@@ -277,7 +281,7 @@ class Runs:
 
         micro_4 = ("--micro-batch-size", "4")
         counted = ("--memory-cap", UNREACHABLE)
-        stopped = job("stopped", self.data_160, *micro_4, "--save-every", "1000", stop_after=3)
+        stopped = job("stopped", self.resume_data, *micro_4, "--save-every", "1000", stop_after=3)
         causal = [*_causal_args(self.gpt2, self.corpus, folder / "causal"), *scheme]
         jobs = [
             # the same effective batch as one process, no back-off (the cap counts, never bites)
@@ -292,7 +296,7 @@ class Runs:
                 cap=_cap("long_step_cap", measure="long-measure")),
             {"name": "causal", "argv": causal},
             # uninterrupted, then stopped by SIGTERM to both ranks and resumed
-            job("full", self.data_160, *micro_4),
+            job("full", self.resume_data, *micro_4),
             stopped,
             {"name": "resumed", "argv": [*stopped["argv"], "--resume"]},
         ]  # fmt: skip
@@ -306,7 +310,7 @@ class Runs:
             # a one-process AdamW checkpoint resumed under ZeRO
             copy = folder / "adamw-resumed"
             shutil.copytree(self.stopped_in_one_process(), copy)
-            argv = [*_adamw_args(self.classifier, self.data_160, copy), *scheme, "--resume"]
+            argv = [*_adamw_args(self.classifier, self.resume_data, copy), *scheme, "--resume"]
             jobs.append({"name": "adamw-resumed", "argv": argv})
         return jobs
 
@@ -416,12 +420,14 @@ def test_sigterm_then_resume_on_two_ranks(runs: Runs, sharding: str) -> None:
     stops = [e for e in events[: resumes[0]] if e["type"] == "stop"]
     assert {e["rank"] for e in stops} == {0, 1}
     assert len({e["step"] for e in stops}) == 1  # both ranks stopped after the same step
-    assert stops[0]["step"] < 40  # stopped before the end: the resume below has work to do
+    assert (
+        stops[0]["step"] < RESUMED_STEPS
+    )  # stopped before the end: the resume below has work to do
     assert (out / "checkpoints" / f"step-{stops[0]['step']}").is_dir()
     assert launched.out("resumed") == out
     assert _max_difference(full, out) <= 1e-5
     steps = [m["step"] for m in _jsonl(out / "metrics.jsonl") if "loss" in m]
-    assert steps == list(range(1, 41))
+    assert steps == list(range(1, RESUMED_STEPS + 1))
 
 
 def test_eval_is_split_over_the_ranks_and_reduced(runs: Runs) -> None:
@@ -541,10 +547,10 @@ def test_an_adamw_zero_checkpoint_resumes_in_one_process(
     run."""
     full = runs.one_process("adamw")
     out = tmp_path / "stopped"
-    args = _adamw_args(runs.classifier, runs.data_160, out)
+    args = _adamw_args(runs.classifier, runs.resume_data, out)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=2", "-m", "memfit", *args, "--sharding", sharding]
-    assert _stop_after_three_steps(command, tmp_path, out) < 40
+    assert _stop_after_three_steps(command, tmp_path, out) < RESUMED_STEPS
     run_ok(*args, "--resume")
     assert _max_difference(full, out) <= 1e-5
 

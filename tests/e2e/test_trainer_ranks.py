@@ -290,7 +290,13 @@ def ranks_main(settings):
 
 
 if __name__ == "__main__":
+    import torch.distributed as dist
+
     ranks_main(json.loads(Path(sys.argv[1]).read_text()))
+    # the Trainer leaves its process group up: ended here, as PyTorch asks of a training script
+    # (left to the interpreter's teardown, gloo's threads can end the rank with SIGABRT)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 '''
 
 

@@ -69,6 +69,8 @@ _PERIOD_ATTRIBUTES = (
 )
 # depths below this many layers are traced whole: two shallow traces would cost as much
 _MIN_GROUPS = 5
+# why plan_depth traces such a model whole (after the number of layers)
+FEW_LAYERS = "layers are few enough to trace whole"
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,15 @@ def plan_depth(config: Any) -> tuple[DepthPlan | None, str]:
         names = ", ".join(lists) or "the per-layer settings"
         return None, f"the layers differ: {names} repeat only every {period} of {depth} layers"
     if depth // period < _MIN_GROUPS or depth <= shallow_b:
-        return None, f"{depth} layers are few enough to trace whole"
+        return None, f"{depth} {FEW_LAYERS}"
     return DepthPlan(key, depth, period, (shallow_a, shallow_b), tuple(lists)), ""
+
+
+def few_layers(config: Any) -> bool:
+    """Whether ``config`` has so few layers that it is traced whole (:func:`plan_depth`): its
+    whole trace costs about what the shallow traces of a deeper model cost."""
+    plan, why = plan_depth(config)
+    return plan is None and why.endswith(FEW_LAYERS)
 
 
 def _smallest_period(values: Sequence[Any]) -> int:
