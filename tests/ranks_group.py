@@ -6,10 +6,10 @@ except the modules that start several ranks (torchrun, ``accelerate launch``,
 twice as long and crowd their timeouts. Those modules are one group, :data:`RANKS_GROUP`, which
 one worker runs first, one test after another, while the other worker runs the rest.
 
-A module is in the group when its source, or the source of a helper module of the tests it
-imports, names a launch (:data:`LAUNCHES`): a new test file that launches torchrun is grouped
-without anyone listing it. ``tests/conftest.py`` also fails a test outside the group that starts
-torchrun anyway (through something the scan did not read).
+A module is in the group when its code (comments and docstrings aside), or the code of a helper
+module of the tests it imports, names a launch (:data:`LAUNCHES`): a new test file that launches
+torchrun is grouped without anyone listing it. ``tests/conftest.py`` also fails a test outside
+the group that starts torchrun anyway (through something the scan did not read).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import pytest
 RANKS_GROUP = "ranks"
 # what starts several ranks, as the tests' sources name it
 LAUNCHES = re.compile(
-    r"torch\.distributed\.run|\btorchrun\b|\"accelerate\",\s*\"launch\"|"
+    r"torch\.distributed\.run|\btorchrun\b|['\"]accelerate['\"],\s*['\"]launch['\"]|"
     r"torch\.multiprocessing|\bmp\.spawn\b|\bstart_processes\b"
 )
-TESTS = Path(__file__).resolve().parent
+SCANNER = Path(__file__).resolve()
+TESTS = SCANNER.parent
 # where the tests import their helpers from (pytest puts the test folders on sys.path; the
 # bench folder is in pyproject's pythonpath)
 HELPER_ROOTS = (TESTS, TESTS / "e2e", TESTS.parent / "bench")
@@ -49,22 +50,38 @@ def launches_ranks(args: Any) -> bool:
 def _starts_ranks(path: Path) -> bool:
     """Whether the module at ``path``, or a helper module of the tests it imports, names a
     launch of several ranks."""
-    source = path.read_text(encoding="utf-8")
-    if LAUNCHES.search(source):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if LAUNCHES.search(_code(tree)):
         return True
-    for name in _imported(source):
+    for name in _imported(tree):
         for root in (path.parent, *HELPER_ROOTS):
             helper = root / (name.replace(".", "/") + ".py")
-            if helper.is_file() and helper.resolve() != path.resolve():
+            # (this module names the launches it looks for, and starts none)
+            if helper.is_file() and helper.resolve() not in (path.resolve(), SCANNER):
                 if _starts_ranks(helper.resolve()):
                     return True
                 break
     return False
 
 
-def _imported(source: str) -> set[str]:
+def _code(tree: ast.Module) -> str:
+    """The module's code without its comments and docstrings (prose may name a launch)."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)
+
+
+def _imported(tree: ast.Module) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

@@ -1,24 +1,25 @@
 """`memfit train` refuses bad data before the first step (issue 5), through the real CLI.
 
-Bad input is written to real files and handed to ``python -m memfit train`` in a subprocess: exit
-2, one ``memfit: error:`` line per problem naming the file and (where there is one) the 1-based
+Bad input is written to real files and handed to ``memfit train`` through the CLI's entry point
+(``memfit.cli.main``, in this process: the refusals come before anything starts): exit 2, one ``memfit: error:`` line per problem naming the file and (where there is one) the 1-based
 line an editor shows, no traceback, nothing written to ``--output-dir``. Eight classes run alone
 (``ALONE``: exactly their line, nothing else); the other classes are asserted one by one in two
 shared runs: a ``.txt`` train file with an eval folder holding no data, and a run whose training
 folder and eval file hold many problems, every one of which must be reported at once.
 ``--skip-bad-rows`` trains on the good rows and lists each skipped row in ``skipped_rows.jsonl``.
 
-Every subprocess pays the imports (torch, transformers, datasets: seconds of CPU each), so the
-module fixture ``runs`` starts the runs the selected tests need at once, a few in parallel.
+The module fixture ``runs`` makes the runs the selected tests need, once: in this process, since
+a subprocess per input would pay the imports (torch, transformers, datasets: seconds of CPU each)
+for a refusal that takes milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import re
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,35 +295,40 @@ def runs(
     request: pytest.FixtureRequest,
 ) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("bad-data")
-    env = offline_environment(root)
     needed = _needed(request)
-    # the training run is the longest: it starts first
-    names = sorted((n for n in CASES if n in needed), key=lambda n: n != "skip-bad-rows")
+    runs: dict[str, Run] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for variable, value in offline_environment(root).items():
+            patch.setenv(variable, value)
+        for name in (n for n in CASES if n in needed):
+            case = CASES[name]
+            folder = root / name
+            _write_case(folder, case)
+            patch.chdir(folder)
+            code, out, err = _in_process(_command(tiny_classifier, folder, case)[3:])
+            train = folder / case.train
+            runs[name] = Run(
+                code, out, err, folder, train, folder / case.eval if case.eval else None
+            )
+    return runs
 
-    def run(name: str) -> Run:
-        case = CASES[name]
-        folder = root / name
-        _write_case(folder, case)
-        done = subprocess.run(
-            _command(tiny_classifier, folder, case),
-            env=env,
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        return Run(
-            done.returncode,
-            done.stdout,
-            done.stderr,
-            folder,
-            folder / case.train,
-            folder / case.eval if case.eval else None,
-        )
 
-    workers = min(4, (os.cpu_count() or 1) + 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return dict(zip(names, pool.map(run, names), strict=True))
+def _in_process(argv: list[str]) -> tuple[int, str, str]:
+    """``memfit ARGV`` through the CLI's entry point in this process: (exit code, stdout, stderr);
+    an exception that escapes it is written to stderr as a traceback, as Python would."""
+    from memfit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return code, out.getvalue(), err.getvalue()
 
 
 def _assert_refused(run: Run) -> None:
