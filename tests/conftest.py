@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ranks_group import RANKS_GROUP, launches_ranks, order_for_workers
+from ranks_group import guard_launches, make_scheduler, order_for_workers, running
 from tiny_models import gpt2_config, save_bert_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,51 +20,46 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # traces cached on disk go to one fresh folder per test session, shared by the pytest-xdist
 # workers (they inherit this process's environment) and the subprocesses the tests start: a model
 # one test traced is not traced again by another (cache files are written whole: os.replace)
-if "MEMFIT_CACHE_DIR" not in os.environ:
-    os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-cache-")
-    atexit.register(shutil.rmtree, os.environ["MEMFIT_CACHE_DIR"], ignore_errors=True)
+# (and so do the datasets cache of the runs that train in a test's process: not the user's)
+for _variable, _prefix in (
+    ("MEMFIT_CACHE_DIR", "memfit-cache-"),
+    ("HF_DATASETS_CACHE", "hf-data-"),
+):
+    if _variable not in os.environ:
+        os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_variable], ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist every core already runs a test process: each of them, and every process
     a test starts, computes on one thread. Several threads per process on a core each would be
-    oversubscribed (OpenMP's spinning threads slowed some tests 6-fold)."""
+    oversubscribed (OpenMP's spinning threads slowed some tests 6-fold). And a test outside the
+    ranks group that starts torchrun fails (:func:`ranks_group.guard_launches`)."""
+    guard_launches()
     workers = getattr(config.option, "numprocesses", None) or 0
     if isinstance(workers, int) and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
         for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(variable, "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, a test module is one unit of work, and every module that starts
-    several ranks belongs to one group run by one worker, first: see :mod:`ranks_group`."""
+    """The modules that start several ranks first (one unit of work: :mod:`ranks_group`)."""
     order_for_workers(items)
 
 
-@pytest.fixture(autouse=True)
-def _rank_launches_stay_in_their_group(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A safety net under the module scan of :mod:`ranks_group`: a test outside the ranks group
-    that starts torchrun (through a helper the scan did not see) fails, saying so."""
-    marks = [m.args[0] if m.args else None for m in request.node.iter_markers("xdist_group")]
-    if RANKS_GROUP in marks:
-        return
-    import subprocess
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (a plain run has no workers)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist, a test module is one unit of work, and every module that starts
+    several ranks belongs to one unit, run by one worker: see :mod:`ranks_group`."""
+    return make_scheduler(config, log)
 
-    start = subprocess.Popen.__init__
 
-    def checked(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
-        if launches_ranks(args):
-            pytest.fail(
-                f"{request.node.nodeid} starts several ranks ({args!r}) but its module was not "
-                "put in the ranks group: tests/ranks_group.py finds a module by the launch "
-                "commands named in its source or in the tests' helper modules it imports"
-            )
-        start(self, args, *rest, **kwargs)
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", checked)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """The test running (its fixtures' setup and teardown included), for the safety net under
+    the module scan (:func:`ranks_group.guard_launches`)."""
+    with running(item):
+        yield
 
 
 @pytest.fixture(scope="session")

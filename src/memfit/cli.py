@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import ctypes
 import gc
 import importlib
 import importlib.util
@@ -237,6 +238,9 @@ def _quick_exit(code: int) -> None:
         # a closed pipe: nothing more can be said on it
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    # what a library wrote through C's stdio is in its buffers still (exit() would flush them)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 

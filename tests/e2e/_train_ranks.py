@@ -18,6 +18,11 @@ argv: JOBS_JSON. The file holds ``{"folder": ..., "jobs": [...]}``; a job is
 
 Rank 0 writes ``results.json``: each job's exit codes, by rank, and its seconds (the slower
 rank's). The tests' side: :func:`launch_jobs` starts the launch, :class:`Launched` reads it.
+
+Each job after the first runs in a process where torch, transformers and DeepSpeed are imported
+and the first job's state (DeepSpeed's communication backend, warnings already shown) is set up:
+memfit's start from a fresh process is what the first job of each launch, and the tests that
+launch ``python -m memfit`` themselves, exercise.
 """
 
 from __future__ import annotations
@@ -77,12 +82,13 @@ def output_to(path: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
-def stop_later(metrics: Path, steps: int, pids: list[int]) -> threading.Thread:
-    """SIGTERM to every rank once ``metrics`` logs ``steps`` steps."""
+def stop_later(
+    metrics: Path, steps: int, pids: list[int], done: threading.Event
+) -> threading.Thread:
+    """SIGTERM to every rank once ``metrics`` logs ``steps`` steps (nothing once ``done``)."""
 
     def watch() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+        while not done.is_set():
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
                 for pid in pids:
                     os.kill(pid, signal.SIGTERM)
@@ -95,52 +101,70 @@ def stop_later(metrics: Path, steps: int, pids: list[int]) -> threading.Thread:
 
 
 def run_job(job: dict[str, Any], folder: Path, rank: int, pids: list[int]) -> int:
+    """``memfit ARGV`` of ``job`` in this process: its exit code (1 for an exception, whose
+    traceback goes to the job's log like everything else it prints)."""
     from memfit.cli import main
 
     argv = list(job["argv"])
-    if job.get("cap"):
-        argv += ["--memory-cap", str(cap_for(job["cap"], folder))]
+    done = threading.Event()
     watcher = None
-    if job.get("stop_after") and rank == 0:
-        out = Path(argv[argv.index("--output-dir") + 1])
-        watcher = stop_later(out / "metrics.jsonl", int(job["stop_after"]), pids)
     code = 0
     with output_to(folder / f"{job['name']}.rank{rank}.log"):
         try:
+            if job.get("cap"):
+                argv += ["--memory-cap", str(cap_for(job["cap"], folder))]
+            if job.get("stop_after"):
+                # the signal is memfit's to handle while it trains; one arriving after memfit
+                # restored the handler it found (the run ended first) must not kill the launch:
+                # the test then sees a run that was not stopped
+                signal.signal(signal.SIGTERM, lambda *_: None)
+                if rank == 0:
+                    out = Path(argv[argv.index("--output-dir") + 1])
+                    watcher = stop_later(out / "metrics.jsonl", int(job["stop_after"]), pids, done)
             main(argv)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         except BaseException:
             traceback.print_exc()
             code = 1
-    if watcher is not None:
-        watcher.join(timeout=600)
+        finally:
+            done.set()
+            if watcher is not None:
+                watcher.join()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return code
 
 
 def main() -> None:
+    import datetime
+
     import torch.distributed as dist
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     folder = Path(spec["folder"])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    pids: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
+    # memfit's collectives run on this group, with this timeout: a job whose ranks disagree
+    # fails after it instead of hanging the launch
+    timeout = datetime.timedelta(seconds=float(spec["job_timeout"]))
+    dist.init_process_group("gloo", timeout=timeout)
+    # the launch's own bookkeeping, on a group of its own: never mixed with a job's collectives
+    books = dist.new_group(backend="gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid(), group=books)
     results: dict[str, dict[str, Any]] = {}
     for job in spec["jobs"]:
         started = time.monotonic()
         code = run_job(job, folder, rank, pids)
-        done: list[Any] = [None] * dist.get_world_size()
+        done: list[Any] = [None] * world
         # also: every rank is done before the next job starts
-        dist.all_gather_object(done, (code, time.monotonic() - started))
+        dist.all_gather_object(done, (code, time.monotonic() - started), group=books)
         results[job["name"]] = {
             "codes": [c for c, _ in done],
             "seconds": max(seconds for _, seconds in done),
         }
         if rank == 0:
             (folder / "results.json").write_text(json.dumps(results))
-    dist.barrier()
+    dist.barrier(group=books)
     dist.destroy_process_group()
 
 
@@ -163,14 +187,15 @@ class Launched:
 
 
 def launch_jobs(
-    folder: Path, jobs: list[dict[str, Any]], env: dict[str, str], *, timeout: float
+    folder: Path, jobs: list[dict[str, Any]], env: dict[str, str], *, job_timeout: float
 ) -> Launched:
-    """Run ``jobs`` in one 2-rank torchrun launch (in ``folder``); past ``timeout`` seconds the
-    launch and its ranks are killed and the test fails (a rank left waiting in a collective)."""
+    """Run ``jobs`` in one 2-rank torchrun launch (in ``folder``). A collective waits at most
+    ``job_timeout`` seconds, the launch at most that per job: past it the launch and its ranks
+    are killed and the test fails, naming the job that ran and what its ranks printed."""
     import pytest
 
     spec = folder / "jobs.json"
-    spec.write_text(json.dumps({"folder": str(folder), "jobs": jobs}))
+    spec.write_text(json.dumps({"folder": str(folder), "jobs": jobs, "job_timeout": job_timeout}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=2", str(Path(__file__).resolve()), str(spec)]
     process = subprocess.Popen(
@@ -181,15 +206,29 @@ def launch_jobs(
         text=True,
         start_new_session=True,
     )
+    timeout = job_timeout * len(jobs)
     try:
         _out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # torchrun and its ranks
         _out, err = process.communicate()
-        pytest.fail(f"the launch of {folder.name} ran past {timeout} s: {err[-3000:]}")
-    assert process.returncode == 0, err[-3000:]
+        pytest.fail(f"the launch ran past {timeout:.0f} s: {_running(folder, jobs)}\n{err[-2000:]}")
+    if process.returncode != 0:
+        pytest.fail(f"the launch failed: {_running(folder, jobs)}\n{err[-2000:]}")
     outs = {job["name"]: Path(job["argv"][job["argv"].index("--output-dir") + 1]) for job in jobs}
     return Launched(folder, outs)
+
+
+def _running(folder: Path, jobs: list[dict[str, Any]]) -> str:
+    """The first job the launch did not finish, and the end of what its ranks printed."""
+    results = folder / "results.json"
+    finished = json.loads(results.read_text()) if results.is_file() else {}
+    for job in jobs:
+        if job["name"] not in finished:
+            logs = [folder / f"{job['name']}.rank{rank}.log" for rank in (0, 1)]
+            tails = [f"{log.name}: {log.read_text()[-1500:]}" for log in logs if log.is_file()]
+            return f"in job {job['name']!r}\n" + "\n".join(tails)
+    return "after its last job"
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """`memfit train` refuses bad data before the first step (issue 5), through the real CLI.
 
 Bad input is written to real files and handed to ``memfit train`` through the CLI's entry point
-(``memfit.cli.main``, in this process: the refusals come before anything starts): exit 2, one ``memfit: error:`` line per problem naming the file and (where there is one) the 1-based
-line an editor shows, no traceback, nothing written to ``--output-dir``. Eight classes run alone
-(``ALONE``: exactly their line, nothing else); the other classes are asserted one by one in two
-shared runs: a ``.txt`` train file with an eval folder holding no data, and a run whose training
-folder and eval file hold many problems, every one of which must be reported at once.
-``--skip-bad-rows`` trains on the good rows and lists each skipped row in ``skipped_rows.jsonl``.
+(``memfit.cli.main``): exit 2, one ``memfit: error:`` line per problem naming the file and (where
+there is one) the 1-based line an editor shows, no traceback, nothing written to
+``--output-dir``. Eight classes run alone (``ALONE``: exactly their line, nothing else); the other
+classes are asserted one by one in two shared runs: a ``.txt`` train file with an eval folder
+holding no data, and a run whose training folder and eval file hold many problems, every one of
+which must be reported at once. ``--skip-bad-rows`` trains on the good rows and lists each skipped
+row in ``skipped_rows.jsonl``.
 
-The module fixture ``runs`` makes the runs the selected tests need, once: in this process, since
-a subprocess per input would pay the imports (torch, transformers, datasets: seconds of CPU each)
-for a refusal that takes milliseconds.
+The module fixture ``runs`` makes the runs the selected tests need, once, in this process: each
+refusal comes before anything is loaded (the one run that trains is a tiny model's), and a
+subprocess per input would pay the imports (torch, transformers, datasets: seconds of CPU each)
+for a refusal that takes milliseconds. (Each verb as a program, its exit code and its one line on
+a fresh interpreter, is ``test_core_install.py``'s.)
 """
 
 from __future__ import annotations

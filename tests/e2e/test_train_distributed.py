@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ SHARDINGS = [
 
 WORDS = [f"w{i}" for i in range(60)]
 LAUNCH_TIMEOUT = 240  # seconds for a whole 2-rank run: a hang fails instead of blocking CI
-JOBS_TIMEOUT = 900  # seconds for the launch of one scheme's jobs (about 12 runs)
+JOB_TIMEOUT = 300  # seconds for each job of a launch (a collective waits no longer)
 UNREACHABLE = "10GiB"  # a cap that never bites: every rank's live tensor bytes are counted
 # the runs stopped by SIGTERM and resumed: 64 rows, 8 a step, 2 epochs
 RESUME_ROWS = 64
@@ -155,18 +156,6 @@ def _adamw_args(model: str, data: Path, out: Path) -> list[str]:
     return args
 
 
-def _launch(tmp_path: Path, args: list[str], *, ranks: int = 2) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc_per_node={ranks}", "-m", "memfit", *args]
-    return subprocess.run(
-        command,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT,
-    )
-
-
 def _ok(run: subprocess.CompletedProcess) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -197,21 +186,33 @@ def _assert_agreed(events: list[dict]) -> None:
         assert len({to for _, to in adopted}) == 1, (key, adopted)
 
 
-def _stop_after_three_steps(command: list[str], tmp_path: Path, out: Path) -> int:
-    """Run ``command``, SIGTERM it once its third step is logged; the step it stopped after."""
-    process = subprocess.Popen(
-        command, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    while time.monotonic() < deadline and process.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.05)
-    process.wait(timeout=LAUNCH_TIMEOUT)
+def _stop_after_three_steps(command: list[str], tmp_path: Path, out: Path, *, ranks: int) -> int:
+    """Run ``command``, SIGTERM it (torchrun forwards the signal to its ranks) once its third
+    step is logged; every rank stops cleanly after the same step with a checkpoint of it: that
+    step."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(
+            command, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=stderr, text=True
+        )
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while time.monotonic() < deadline and process.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                process.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        process.wait(timeout=LAUNCH_TIMEOUT)
+        stderr.seek(0)
+        said = stderr.read()
     stops = [e for e in _jsonl(out / "events.jsonl") if e["type"] == "stop"]
-    assert stops and stops[0]["reason"].startswith("signal"), stops
+    assert stops and all(e["reason"].startswith("signal") for e in stops), stops
+    assert len(stops) == ranks and len({e["step"] for e in stops}) == 1, stops
+    if ranks > 1:
+        assert {e["rank"] for e in stops} == set(range(ranks)), stops
+    assert (out / "checkpoints" / f"step-{stops[0]['step']}").is_dir()
+    # the ranks stopped cleanly (torchrun's own report of the signal it got is its business)
+    tracebacks = [f"[rank{r}]: Traceback" for r in range(ranks)] if ranks > 1 else ["Traceback"]
+    assert not any(t in said for t in tracebacks), said[-3000:]
     return int(stops[0]["step"])
 
 
@@ -225,6 +226,7 @@ class Runs:
 
     def __init__(self, root: Path, classifier: str, gpt2: str) -> None:
         self.root, self.classifier, self.gpt2 = root, classifier, gpt2
+        self._launches: dict[str, Launched | None] = {}
         inputs = root / "inputs"
         inputs.mkdir()
         self.data = _write_data(inputs / "train.csv", 40)
@@ -268,7 +270,7 @@ class Runs:
             "memfit",
             *_adamw_args(self.classifier, self.resume_data, out),
         ]
-        assert _stop_after_three_steps(command, self.root, out) < RESUMED_STEPS
+        assert _stop_after_three_steps(command, self.root, out, ranks=1) < RESUMED_STEPS
         return out
 
     def jobs(self, sharding: str, folder: Path) -> list[dict[str, Any]]:
@@ -284,12 +286,14 @@ class Runs:
         stopped = job("stopped", self.resume_data, *micro_4, "--save-every", "1000", stop_after=3)
         causal = [*_causal_args(self.gpt2, self.corpus, folder / "causal"), *scheme]
         jobs = [
-            # the same effective batch as one process, no back-off (the cap counts, never bites)
-            job("plain", self.data, *micro_4, *counted),
+            # the same effective batch as one process, no cap
+            job("plain", self.data, *micro_4),
+            # each rank's live tensor bytes at micro-batch 4 and 1 (the cap counts, never bites)
+            job("measure-4", self.data, *micro_4, *counted),
             job("micro-1", self.data, "--micro-batch-size", "1", *counted),
             # a cap between the peaks at micro-batch 1 and 4: both ranks run out of memory
             job("capped", self.data, *micro_4, cap=_cap("halfway_cap", fits="micro-1",
-                                                      too_big="plain")),
+                                                      too_big="measure-4")),
             # the long row: a cap only the rank that holds it crosses
             job("long-measure", self.long_data, *micro_4, "--no-probe", *counted),
             job("long-capped", self.long_data, *micro_4, "--no-probe",
@@ -326,13 +330,21 @@ class Runs:
         args = _args(self.classifier, self.data, out, "--micro-batch-size", "4")
         return {"name": "deepspeed-file", "argv": [*args, "--deepspeed", str(path)]}
 
-    @functools.cache  # noqa: B019
     def launched(self, sharding: str) -> Launched:
-        """Every job of ``sharding``, in one 2-rank launch."""
-        folder = self.root / sharding
-        folder.mkdir()
-        jobs = self.jobs(sharding, folder)
-        return launch_jobs(folder, jobs, _env(folder), timeout=JOBS_TIMEOUT)
+        """Every job of ``sharding``, in one 2-rank launch (the first test that needs it says
+        why it failed; the scheme's other tests, that it did)."""
+        if sharding not in self._launches:
+            folder = self.root / sharding
+            folder.mkdir()
+            self._launches[sharding] = None
+            jobs = self.jobs(sharding, folder)
+            self._launches[sharding] = launch_jobs(
+                folder, jobs, _env(folder), job_timeout=JOB_TIMEOUT
+            )
+        launched = self._launches[sharding]
+        if launched is None:
+            pytest.fail(f"the launch of the {sharding} jobs failed (see its first test)")
+        return launched
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +371,7 @@ def test_two_ranks_equal_one_process(runs: Runs, sharding: str) -> None:
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_a_cap_on_both_ranks_backs_off_together_same_weights(runs: Runs, sharding: str) -> None:
     launched = runs.launched(sharding)
-    peaks = {4: rank_peaks(launched.out("plain")), 1: rank_peaks(launched.out("micro-1"))}
+    peaks = {4: rank_peaks(launched.out("measure-4")), 1: rank_peaks(launched.out("micro-1"))}
     fits = max(max(p) for p in peaks[1])
     too_big = max(max(p) for p in peaks[4])
     assert fits < too_big
@@ -368,7 +380,7 @@ def test_a_cap_on_both_ranks_backs_off_together_same_weights(runs: Runs, shardin
     assert (
         config["memory_cap"]
         == (fits + too_big) // 2
-        == halfway_cap(launched.folder, fits="micro-1", too_big="plain")
+        == halfway_cap(launched.folder, fits="micro-1", too_big="measure-4")
     )
     assert launched.results["capped"]["seconds"] < LAUNCH_TIMEOUT
     events = _jsonl(out / "events.jsonl")
@@ -550,7 +562,7 @@ def test_an_adamw_zero_checkpoint_resumes_in_one_process(
     args = _adamw_args(runs.classifier, runs.resume_data, out)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node=2", "-m", "memfit", *args, "--sharding", sharding]
-    assert _stop_after_three_steps(command, tmp_path, out) < RESUMED_STEPS
+    assert _stop_after_three_steps(command, tmp_path, out, ranks=2) < RESUMED_STEPS
     run_ok(*args, "--resume")
     assert _max_difference(full, out) <= 1e-5
 

@@ -29,7 +29,7 @@ from tiny_models import save_bert, save_sentence_transformer
 pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
 WORDS = [f"w{i}" for i in range(40)]
-JOBS_TIMEOUT = 600  # seconds for the launch of every 2-rank run: a hang fails, never blocks CI
+JOB_TIMEOUT = 300  # seconds for each 2-rank run of the launch: a hang fails, never blocks CI
 PAIRS_PER_STEP = "7"  # odd: the ranks get 4 and 3 pairs
 LOSSES = ("mnrl", "cached-mnrl")
 
@@ -119,7 +119,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for loss, extra in zip(LOSSES, ([], ["--mini-batch-size", "4"]), strict=True):
         argv = _args(str(model), data, dev, launch / f"capped-{loss}", loss, *extra)
         jobs.append({"name": f"capped-{loss}", "argv": argv, "cap": cap})
-    out["launched"] = launch_jobs(launch, jobs, _env(root), timeout=JOBS_TIMEOUT)
+    out["launched"] = launch_jobs(launch, jobs, _env(root), job_timeout=JOB_TIMEOUT)
     for loss in LOSSES:
         out[loss] = out["launched"].out(loss)
     return out

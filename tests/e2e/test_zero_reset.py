@@ -43,7 +43,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,  # three stages, one after another
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return folder

@@ -40,6 +40,11 @@ def test_a_module_naming_a_launch_or_importing_a_helper_that_does_is_grouped(
     spawns.write_text(f"import {SPAWN} as mp\nmp.{'spawn'}(print, nprocs=2)\n")
     indirect = tmp_path / "test_indirect.py"
     indirect.write_text("from launch_helper import COMMAND\n")
+    # helpers that import each other (and no launch): scanned once each
+    (tmp_path / "helper_a.py").write_text("import helper_b\n")
+    (tmp_path / "helper_b.py").write_text("import helper_a\n")
+    circle = tmp_path / "test_circle.py"
+    circle.write_text("import helper_a\n")
     accelerate = tmp_path / "test_accelerate.py"
     accelerate.write_text(f'COMMAND = ["accelerate", "{"lau" + "nch"}", "-m", "memfit"]\n')
     prose = tmp_path / "test_prose.py"
@@ -54,22 +59,34 @@ def test_a_module_naming_a_launch_or_importing_a_helper_that_does_is_grouped(
         assert ranks_group._starts_ranks(indirect)  # through the helper it imports
         assert ranks_group._starts_ranks(accelerate)
         assert not ranks_group._starts_ranks(plain)
+        assert not ranks_group._starts_ranks(circle)
         assert not ranks_group._starts_ranks(prose)  # a docstring or comment starts nothing
     finally:
         ranks_group._starts_ranks.cache_clear()
 
 
-def test_the_suites_multi_rank_modules_are_in_the_group(request: pytest.FixtureRequest) -> None:
-    grouped = {
-        Path(str(item.path)).name
-        for item in request.session.items
-        if RANKS_GROUP in [m.args[0] for m in item.iter_markers("xdist_group") if m.args]
-    }
-    # every module of this session that starts ranks (those selected in this run)
-    selected = {Path(str(item.path)).name for item in request.session.items}
-    for name in ("test_train_distributed.py", "test_distributed.py", "test_zero_reset.py"):
-        assert (name in grouped) == (name in selected), name
-    assert "test_ranks_group.py" not in grouped
+def test_the_suites_multi_rank_modules_are_one_unit_of_work_first(
+    request: pytest.FixtureRequest,
+) -> None:
+    tests = Path(__file__).resolve().parents[1]
+    for module in ("e2e/test_train_distributed.py", "unit/train/test_distributed.py"):
+        assert ranks_group.in_group(tests / module), module
+    assert not ranks_group.in_group(Path(__file__))
+    assert not ranks_group.in_group(tests / "e2e" / "test_bad_data.py")
+    # the session's order: the group's tests, then the others
+    grouped = [ranks_group.in_group(item.path) for item in request.session.items]
+    assert grouped == sorted(grouped, reverse=True)
+
+
+def test_the_scheduler_makes_one_unit_of_the_group_and_one_of_each_module(
+    request: pytest.FixtureRequest,
+) -> None:
+    root = request.config.rootpath
+    unit = ranks_group.unit_of
+    assert unit("tests/e2e/test_train_distributed.py::test_x[zero3]", root) == RANKS_GROUP
+    assert unit("tests/unit/train/test_distributed.py::test_y", root) == RANKS_GROUP
+    module = "tests/unit/test_ranks_group.py"
+    assert unit(f"{module}::test_z[a::b]", root) == module
 
 
 def test_a_launch_the_scan_did_not_see_fails_the_test() -> None:

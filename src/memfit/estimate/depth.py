@@ -69,8 +69,6 @@ _PERIOD_ATTRIBUTES = (
 )
 # depths below this many layers are traced whole: two shallow traces would cost as much
 _MIN_GROUPS = 5
-# why plan_depth traces such a model whole (after the number of layers)
-FEW_LAYERS = "layers are few enough to trace whole"
 
 
 @dataclass(frozen=True)
@@ -94,27 +92,10 @@ class DepthPlan:
 
 def plan_depth(config: Any) -> tuple[DepthPlan | None, str]:
     """A plan for ``config``, or None and why the whole model must be traced."""
-    depth = getattr(config, "num_hidden_layers", None)
-    if not isinstance(depth, int) or depth < 1:
-        return None, "the config names no number of layers (num_hidden_layers)"
-    attribute_map = getattr(config, "attribute_map", {}) or {}
-    key = attribute_map.get("num_hidden_layers", "num_hidden_layers")
-    values = config.to_dict()
-    if values.get(key) != depth:
-        return None, f"the number of layers is not the config key {key!r}"
-    period = 1
-    lists = []
-    for name, value in values.items():
-        layer_keyed = isinstance(value, dict) and value and all(str(k).isdigit() for k in value)
-        if layer_keyed and "layer" in name:
-            return None, f"the config sets {name} layer by layer"
-        if isinstance(value, list) and len(value) == depth and depth > 1:
-            lists.append(name)
-            period = math.lcm(period, _smallest_period(value))
-    for name in _PERIOD_ATTRIBUTES:
-        value = values.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            period = math.lcm(period, value)
+    layout = _layout(config)
+    if isinstance(layout, str):
+        return None, layout
+    key, depth, period, lists = layout
     remainder = depth % period
     shallow_a = 3 * period + remainder
     shallow_b = shallow_a + period
@@ -122,15 +103,46 @@ def plan_depth(config: Any) -> tuple[DepthPlan | None, str]:
         names = ", ".join(lists) or "the per-layer settings"
         return None, f"the layers differ: {names} repeat only every {period} of {depth} layers"
     if depth // period < _MIN_GROUPS or depth <= shallow_b:
-        return None, f"{depth} {FEW_LAYERS}"
+        return None, f"{depth} layers are few enough to trace whole"
     return DepthPlan(key, depth, period, (shallow_a, shallow_b), tuple(lists)), ""
 
 
 def few_layers(config: Any) -> bool:
-    """Whether ``config`` has so few layers that it is traced whole (:func:`plan_depth`): its
-    whole trace costs about what the shallow traces of a deeper model cost."""
-    plan, why = plan_depth(config)
-    return plan is None and why.endswith(FEW_LAYERS)
+    """Whether ``config`` is traced whole because it has few layers, all alike (fewer than a
+    shallow trace of a deeper model has): its whole trace costs about what those cost."""
+    layout = _layout(config)
+    if isinstance(layout, str):
+        return False
+    _key, _depth, period, _lists = layout
+    # with one period a valid layout is traced whole only for having few layers
+    return period == 1 and plan_depth(config)[0] is None
+
+
+def _layout(config: Any) -> tuple[str, int, int, list[str]] | str:
+    """``config``'s layers: (the config key of their number, the number, the period of the
+    repeating block, the per-layer config lists), or why they cannot be planned."""
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth < 1:
+        return "the config names no number of layers (num_hidden_layers)"
+    attribute_map = getattr(config, "attribute_map", {}) or {}
+    key = attribute_map.get("num_hidden_layers", "num_hidden_layers")
+    values = config.to_dict()
+    if values.get(key) != depth:
+        return f"the number of layers is not the config key {key!r}"
+    period = 1
+    lists = []
+    for name, value in values.items():
+        layer_keyed = isinstance(value, dict) and value and all(str(k).isdigit() for k in value)
+        if layer_keyed and "layer" in name:
+            return f"the config sets {name} layer by layer"
+        if isinstance(value, list) and len(value) == depth and depth > 1:
+            lists.append(name)
+            period = math.lcm(period, _smallest_period(value))
+    for name in _PERIOD_ATTRIBUTES:
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            period = math.lcm(period, value)
+    return key, depth, period, lists
 
 
 def _smallest_period(values: Sequence[Any]) -> int:

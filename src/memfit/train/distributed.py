@@ -211,7 +211,9 @@ def init_ranks(device_type: str, *, timeout_minutes: float | None = None) -> Ran
     ``MASTER_ADDR``/``MASTER_PORT``): gloo on the CPU, NCCL on GPUs, plus a gloo group for the
     guard's flags. A collective waits ``timeout_minutes`` for the other ranks (default:
     ``MEMFIT_RANK_TIMEOUT``, else 30 minutes; see :mod:`memfit.train.peers`). ``RANK`` is the
-    rank among all hosts' processes, ``LOCAL_RANK`` this host's GPU."""
+    rank among all hosts' processes, ``LOCAL_RANK`` this host's GPU. A script that started the
+    process group itself keeps it, with the timeout it gave it: memfit joins it and leaves it up
+    (the flags' own group is memfit's)."""
     from memfit.train.peers import rank_timeout
 
     # a bad MEMFIT_RANK_TIMEOUT is refused before any rank waits for another

@@ -61,3 +61,8 @@ def test_only_a_whole_trace_deeper_than_a_shallow_one_is_worth_a_worker() -> Non
     assert depth.few_layers(bert(2)) and depth.few_layers(bert(4))
     # 12 layers: two shallow traces and the extrapolation (no whole trace to prefetch)
     assert depth.plan_depth(bert(12))[0] is not None and not depth.few_layers(bert(12))
+    # 8 layers that repeat every 3 (ModernBERT's global attention): traced whole, all 8 of them
+    from transformers import ModernBertConfig
+
+    modern = ModernBertConfig(num_hidden_layers=8, global_attn_every_n_layers=3)
+    assert depth.plan_depth(modern)[0] is None and not depth.few_layers(modern)
