@@ -397,6 +397,12 @@ def test_lost_contact_tells_gloo_errors_from_others(tmp_path: Path) -> None:
         assert silent is not None and str(silent).startswith(
             "rank 0 waited 30m for another rank that did not answer"
         )
+        # gloo's other words for it (a pending collective after the wait closed the connection)
+        closed = lost_contact(RuntimeError("Application timeout caused pair closure"), started)
+        assert closed is not None and str(closed).startswith(
+            "rank 0 waited 30m for another rank that did not answer (stuck or too slow; "
+            "MEMFIT_RANK_TIMEOUT sets the wait): Application timeout caused pair closure; "
+        )
         assert "no checkpoint was written (--save-every N" in str(silent)
         # a rank that never joined: the run never began
         early = lost_contact(timeout, tmp_path / "none")

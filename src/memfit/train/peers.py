@@ -91,6 +91,9 @@ _GONE = (
     "failed to send",
 )
 _SILENT = ("timed out", "timeout")
+# gloo's words for a wait past the timeout that closed the connection (a pending collective of
+# either rank then fails with them; seen on a loaded machine instead of "Timed out waiting")
+_GLOO_TIMEOUTS = ("application timeout caused pair closure",)
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 
 
@@ -112,7 +115,10 @@ def lost_contact(exc: BaseException, output_dir: Path) -> RankLostError | None:
     from_library = isinstance(exc, dist.DistError) or any(
         name in lowered for name in ("gloo", "c10d", "nccl", "processgroup")
     )
-    silent = gone is None and from_library and any(phrase in lowered for phrase in _SILENT)
+    silent = gone is None and (
+        (from_library and any(phrase in lowered for phrase in _SILENT))
+        or any(phrase in lowered for phrase in _GLOO_TIMEOUTS)
+    )
     if gone is None and not silent and not isinstance(exc, dist.DistError):
         return None
     rank = dist.get_rank() if joined else launched_rank()
