@@ -328,6 +328,7 @@ def test_embed_capped_equals_uncapped_and_encode(
             file=str(data),
             output=str(tmp_path / "p.npy"),
             device="cpu",
+            overwrite=True,  # run again and again: a .npy carries no mark of memfit's
             **knobs,
         )
 
@@ -371,8 +372,10 @@ def test_embed_the_real_minilm_under_a_cap_equals_encode(data: Path, tmp_path: P
     sentences.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 
     def run(**knobs: Any) -> Any:
+        # run again and again: a .npy carries no mark of memfit's, so each run says --overwrite
+        output = str(tmp_path / "e.npy")
         return embed(
-            model=model, file=str(sentences), output=str(tmp_path / "e.npy"), device="cpu", **knobs
+            model=model, file=str(sentences), output=output, device="cpu", overwrite=True, **knobs
         )
 
     one = run(batch_size=1, memory_cap=NO_LIMIT).peak_bytes

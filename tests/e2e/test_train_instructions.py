@@ -206,3 +206,75 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) -> None:
     assert len(errors) == 1 and "Traceback" not in done.stderr
     assert errors[0].startswith(f"memfit: error: --messages-column: the tokenizer of {model} ")
     assert "no chat template" in errors[0]
+
+
+# a model folder's chat template that never ends (issue 30: it grew to 22.7 GB before the kernel
+# killed it), and one that asks for 10 GB at once: each row is a bad row, memory stays small
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+HUGE = "{{ 'x' * 10 ** 10 }}"
+
+
+@pytest.mark.parametrize(
+    ("template", "reason"),
+    [
+        (
+            LOOPS,
+            r"the chat template did not finish rendering this conversation within 1 s "
+            r"\(memfit's bound per row: does the template loop without end\?\)",
+        ),
+        (
+            HUGE,
+            r"the chat template needs more than 1\.00 GiB of memory to render this "
+            r"conversation \(memfit's bound per row\)",
+        ),
+    ],
+    ids=["loops", "huge"],
+)
+def test_a_chat_template_past_its_bounds_makes_bad_rows(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    template: str,
+    reason: str,
+) -> None:
+    import re
+    import time
+
+    from cli_run import run_cli
+    from memfit.data import instructions
+
+    monkeypatch.setattr(
+        instructions, "RENDER_SECONDS", 1.0, raising=False
+    )  # the default: 10 s a row
+    for name, value in offline_environment(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    model = tmp_path / "model"
+    save_tiny_llama(model, SENTENCES, chat_template=None)
+    (model / "chat_template.jinja").write_text(template + CHAT_TEMPLATE, encoding="utf-8")
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS[:2]])
+    argv = train_command(
+        tmp_path,
+        {
+            "--task": "causal-lm",
+            "--model": str(model),
+            "--train-file": str(data),
+            "--messages-column": "messages",
+            "--no-probe": None,
+        },
+    )[3:]
+    start = time.monotonic()
+    code, _, err = run_cli(capsys, *argv)
+    assert time.monotonic() - start < 60, err  # unbounded, either runs for hours
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err
+    errors = [x for x in err.splitlines() if x.startswith("memfit: error: ")]
+    where = re.escape(f"memfit: error: --train-file: {data}")
+    assert len(errors) == 2, err
+    for line, error in enumerate(errors, start=1):
+        assert re.fullmatch(f"{where} line {line}: {reason}", error), error
+    out = tmp_path / "out"
+    assert not out.exists() or list(out.iterdir()) == []
+    # --skip-bad-rows: every row is bad, so none is left to train on
+    code, _, err = run_cli(capsys, *argv, "--skip-bad-rows")
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert f"memfit: error: --train-file: {data}: no rows" in err.splitlines(), err

@@ -413,11 +413,13 @@ def test_a_full_disk_keeps_an_existing_output(
     old = full / "keep.jsonl"
     # room for the old file: write it before the disk is full again
     (full / "filler").unlink()
-    old.write_text('{"row": 0}\n')
+    # an earlier memfit predict output: replaced without --overwrite, when the new one is whole
+    record = '{"row": 0, "label": "1", "label_id": 1, "probabilities": {"0": 0.4, "1": 0.6}}\n'
+    old.write_text(record)
     _fill(full, 0)
     code, lines = _run(_predict(places, old), capsys)
     assert code == 2 and len(lines) == 1 and "No space left on device" in lines[0], lines
-    assert old.read_text() == '{"row": 0}\n'
+    assert old.read_text() == record
     assert _listing(full) == ["keep.jsonl"]
     old.unlink()
     _fill(full, 0)

@@ -297,6 +297,58 @@ CASES: dict[str, Case] = {
             r"--num-labels 2 \(0, 1\)",
         ],
     ),
+    # --- one label: a one-class classifier learns nothing (its loss is 0), issue 30 ---------------
+    "one-label-in-the-data": Case(
+        files={
+            "t.csv": _csv("text,label", *(f"w{i} w{i + 1},pos" for i in range(4))),
+            # the eval file's labels: no bad rows for want of the training data's other label
+            "e.csv": _csv("text,label", "w1,neg", "w2,pos"),
+        },
+        eval="e.csv",
+        errors=[
+            r"--train-file: {t}: every row has the label 'pos' \(4 rows\); a classifier needs "
+            r"rows of at least two labels"
+        ],
+    ),
+    "one-integer-label-left-after-skipping": Case(
+        files={"t.csv": _csv("text,label", "w1,3", "w2,3", "w3,1.5")},
+        flags={"--skip-bad-rows": None},
+        errors=[
+            r"--train-file: {t}: every row has the label 3 \(2 rows, after 1 bad rows skipped\); "
+            r"a classifier needs rows of at least two labels"
+        ],
+    ),
+    "one-label-in-the-data-beside---labels": Case(
+        files={"t.csv": _csv("text,label", *(f"w{i} w{i + 1},pos" for i in range(4)))},
+        flags={"--labels": "neg,pos"},
+        errors=[
+            r"--train-file: {t}: every row has the label 'pos' \(4 rows\); a classifier needs "
+            r"rows of at least two labels"
+        ],
+    ),
+    "one-label-by---labels": Case(
+        files={"t.csv": _csv("text,label", *(f"w{i} w{i + 1},pos" for i in range(4)))},
+        flags={"--labels": "pos"},
+        errors=[
+            r"--labels: names one label \(pos\); a classifier needs at least two \(--labels neg,pos\)"
+        ],
+    ),
+    "one-label-by---num-labels": Case(
+        files={"t.csv": _csv("text,label", *GOOD)},
+        flags={"--num-labels": "1"},
+        errors=[r"--num-labels: a classifier needs at least two labels, got 1"],
+    ),
+    "eval-label-not-in-train": Case(
+        files={
+            "t.csv": _csv("text,label", *GOOD),
+            "e.csv": _csv("text,label", "w1,0", "w2,7"),
+        },
+        eval="e.csv",
+        errors=[
+            r"--eval-file: {e} line 3: label '7' does not occur in the training data "
+            r"\(labels: 0, 1\)"
+        ],
+    ),
     # --- 7. MNRL with one pair per step: no in-batch negatives ------------------------------------
     "mnrl-effective-batch-1": Case(
         files={

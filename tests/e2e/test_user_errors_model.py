@@ -7,7 +7,10 @@ not JSON; an empty folder; a config with no weights (training would start from r
 ``model.safetensors`` or ``pytorch_model.bin`` cut in half; a ``hidden_size`` changed after saving
 (the weights no longer fit the config); no tokenizer files (transformers would fall back to a
 5-token vocabulary); ``--max-seq-len`` beyond the position embeddings; a registry name (memfit's
-registry holds architecture numbers, not weights).
+registry holds architecture numbers, not weights). Issue 30: weights that load but leave the
+model's body random (one unrelated tensor, a config given 12 layers where 2 were saved), weights
+that are an unsafe pickle (never unpickled), a sentence-transformers folder naming a module of
+remote code; a new task head (the weights lack it by design) still trains.
 
 The cases run in this process through ``memfit.cli.main`` (the same code as the program: a
 ``UsageError`` becomes the one line and ``SystemExit(2)``; any other exception would escape as a
@@ -88,6 +91,51 @@ def _no_tokenizer(folder: Path) -> None:
     for path in folder.iterdir():
         if path.name not in ("config.json", "model.safetensors"):
             path.unlink()
+
+
+def _one_unrelated_tensor(folder: Path) -> None:
+    """Weights that load (a whole safetensors file) but hold nothing of the model's (issue 30)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"unrelated.weight": torch.zeros(3)}, folder / "model.safetensors")
+
+
+def _more_layers(folder: Path) -> None:
+    """config.json edited from 2 layers to 12 after the weights were saved (issue 30)."""
+    config = _config(folder)
+    key = "n_layer" if "n_layer" in config else "num_hidden_layers"  # GPT-2 names it n_layer
+    _write_config(folder, config | {key: 12})
+
+
+class _Planted:
+    """Unpickled without torch's safe loader, this makes the folder ``pickle-ran`` beside the
+    model folder: the test sees whether it ever was."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def _unsafe_pickle(folder: Path) -> None:
+    """The only weights are a pytorch_model.bin that holds a planted global (issue 30)."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(
+        {**weights, "planted": _Planted(folder.parent / "pickle-ran")}, folder / "pytorch_model.bin"
+    )
+
+
+def _custom_module(folder: Path) -> None:
+    """A sentence-transformers folder whose modules.json names a class of remote code."""
+    modules = json.loads((folder / "modules.json").read_text())
+    modules[-1]["type"] = "evil_pkg.modules.Pooling"
+    (folder / "modules.json").write_text(json.dumps(modules))
 
 
 @dataclass
@@ -181,17 +229,67 @@ CASES: dict[str, Case] = {
         r"and plan\), which holds no weights: memfit train needs a model folder",
         model="bert-base-uncased",
     ),
+    # issue 30: weights that leave the model's body random are refused, not trained in silence
+    "one-unrelated-tensor": Case(
+        "classifier",
+        _one_unrelated_tensor,
+        r"--model: the weights in {m} do not cover its config\.json: 37 of its 41 tensors are "
+        r"missing \(bert\.embeddings\.\S+, bert\.embeddings\.\S+ and 35 more\), and training "
+        r"would start them from random weights",
+    ),
+    "more-layers-in-config": Case(
+        "classifier",
+        _more_layers,
+        r"--model: the weights in {m} do not cover its config\.json: 160 of its \d+ tensors are "
+        r"missing \(bert\.encoder\.layer\.2\.\S+, bert\.encoder\.layer\.2\.\S+ and 158 more\)",
+    ),
+    "more-layers-in-config-causal-lm": Case(
+        "gpt2",
+        _more_layers,
+        r"--model: the weights in {m} do not cover its config\.json: \d+ of its \d+ tensors are "
+        r"missing \(transformer\.h\.2\.\S+, transformer\.h\.2\.\S+ and \d+ more\)",
+        task="causal-lm",
+    ),
+    "one-unrelated-tensor-sentence-embedding": Case(
+        "st",
+        _one_unrelated_tensor,
+        r"--model: the weights in {m} do not cover its config\.json: 37 of its \d+ tensors are "
+        r"missing \(embeddings\.\S+, embeddings\.\S+ and 35 more\)",
+        task="sentence-embedding",
+    ),
+    "unsafe-pickle": Case(
+        "classifier",
+        _unsafe_pickle,
+        r"--model: {m}/pytorch_model\.bin is a pickle that torch's safe loading refuses \(.*"
+        r"GLOBAL .*mkdir.*\): memfit does not unpickle it",
+    ),
+    "custom-module-sentence-embedding": Case(
+        "st",
+        _custom_module,
+        r"--model: cannot load {m}: The model {m} references the module class "
+        r"'evil_pkg\.modules\.Pooling', which is not part of Sentence Transformers",
+        task="sentence-embedding",
+    ),
 }
 
 
 @pytest.fixture(scope="module")
-def sources(tiny_classifier: str, gpt2_dir: str) -> dict[str, str]:
-    return {"classifier": tiny_classifier, "gpt2": gpt2_dir}
+def sources(
+    tiny_classifier: str, gpt2_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    from tiny_models import save_sentence_transformer
+
+    # a sentence-transformers folder (modules.json, mean pooling) of the tiny BERT
+    st = tmp_path_factory.mktemp("st") / "model"
+    save_sentence_transformer(st, Path(tiny_classifier), max_seq_length=32)
+    return {"classifier": tiny_classifier, "gpt2": gpt2_dir, "st": str(st)}
 
 
 def _train_file(folder: Path, task: str, long_row: int = 0) -> Path:
     path = folder / "t.csv"
-    if task == "causal-lm":
+    if task == "sentence-embedding":
+        rows = ["anchor,positive", "w1 w2,w3 w4", "w5 w6,w7", "w8,w9 w10", "w11,w12"]
+    elif task == "causal-lm":
         rows = ["text", "the cat sat on the mat", "the dog ran in the park"]
         rows += [" ".join(["the cat sat"] * (long_row // 3))] if long_row else []
     else:
@@ -257,6 +355,45 @@ def test_defective_model_is_one_line_exit_2_nothing_written(
     pattern = re.escape(ERROR) + CASES[name].error.replace("{m}", re.escape(model))
     assert len(lines) == 1 and re.match(pattern, lines[0]), (pattern, lines)
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_an_unsafe_pickle_is_never_unpickled(
+    sources: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal is torch's safe loader's: the planted object never ran."""
+    code, _, _, model = _run_case("unsafe-pickle", sources, tmp_path, capsys)
+    assert code == 2
+    assert (Path(model) / "pytorch_model.bin").is_file()
+    assert not (Path(model).parent / "pickle-ran").exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "task"),
+    [
+        ("classifier", "classification"),  # a bare BertModel: the classifier head is new
+        ("gpt2", "causal-lm"),  # lm_head is tied to the embeddings: not in the weights file
+        ("gpt2", "classification"),  # GPT-2's score head is new
+        ("st", "sentence-embedding"),
+    ],
+)
+def test_a_new_task_head_is_trained_not_refused(
+    sources: dict[str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    task: str,
+) -> None:
+    """What the weights lack beyond the body (a head the task adds) is what a run trains."""
+    out = tmp_path / "out"
+    argv = [
+        "train", "--task", task, "--model", sources[source],
+        "--train-file", str(_train_file(tmp_path, task)), "--output-dir", str(out),
+        "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--effective-batch-size", "2",
+        "--micro-batch-size", "2", "--optimizer", "sgd", "--max-steps", "1",
+    ]  # fmt: skip
+    main(argv)
+    assert ERROR not in capsys.readouterr().err
+    assert (out / "model").is_dir()
 
 
 def test_the_program_exits_2_without_traceback(tiny_classifier: str, tmp_path: Path) -> None:
@@ -330,6 +467,28 @@ INFER_CASES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         _no_weights,
         r"{m} holds no weights \(model\.safetensors or pytorch_model\.bin\): the outputs would "
         r"be random",
+    ),
+    "predict-one-unrelated-tensor": (
+        "predict",
+        _one_unrelated_tensor,
+        r"the weights in {m} do not cover its config\.json: \d+ of its \d+ tensors are missing "
+        r"\(transformer\.\S+, transformer\.\S+ and \d+ more\), and the outputs would be random",
+    ),
+    "predict-more-layers": (
+        "predict",
+        _more_layers,
+        r"the weights in {m} do not cover its config\.json: \d+ of its \d+ tensors are missing "
+        r"\(transformer\.h\.2\.",
+    ),
+    "predict-unsafe-pickle": (
+        "predict",
+        _unsafe_pickle,
+        r"{m}/pytorch_model\.bin is a pickle that torch's safe loading refuses",
+    ),
+    "embed-one-unrelated-tensor": (
+        "embed",
+        _one_unrelated_tensor,
+        r"the weights in {m} do not cover its config\.json: 37 of its \d+ tensors are missing",
     ),
 }
 

@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "paths": {"errors"},
     "devices": {"errors"},
     "models": {"errors"},
-    "data": {"errors"},
+    "data": {"errors", "units"},
     "config": {"errors", "job", "paths"},
     "estimate": FLOOR | {"devices", "models"},
     "measure": FLOOR | {"estimate", "models"},

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import typer
 
 from memfit import progress
+from memfit.errors import MemfitError
 from memfit.job import Job, flag_of
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -150,6 +151,15 @@ CacheDir = Annotated[
     str | None,
     Opt(help="Where the data reader caches Arrow files.", show_default="the datasets cache"),
 ]
+# memfit predict/embed, memfit plan --write-config, memfit estimate --plot: the outputs the user
+# names replace a file memfit wrote; any other existing file only with --overwrite
+Overwrite = Annotated[
+    bool,
+    Opt(
+        "--overwrite",
+        help="Replace an existing output file that memfit did not write (never an input).",
+    ),
+]
 
 
 def run_inference(verb: str, loading: str, doing: str, flags: dict[str, Any]) -> None:
@@ -157,10 +167,18 @@ def run_inference(verb: str, loading: str, doing: str, flags: dict[str, Any]) ->
     one to one; the run prints nothing until its summary line (to stderr)."""
     # on screen before torch is imported
     with progress.status(f"loading {loading}", subject=f"memfit {verb} {flags['model']}"):
+        from memfit.infer.output import Terminated
         from memfit.infer.run import InferConfig
 
         # memfit.infer.predict.predict or memfit.infer.embed.embed
         run = getattr(importlib.import_module(f"memfit.infer.{verb}"), verb)
         progress.report(doing)
-        result = run(InferConfig(**flags))
+        try:
+            result = run(InferConfig(**flags))
+        except Terminated as exc:
+            # SIGTERM/SIGHUP: typer would make this KeyboardInterrupt a silent exit 130; the line
+            # says what became of the output, the code is 128 + the signal
+            stopped = MemfitError(str(exc))
+            stopped.exit_code = exc.exit_code
+            raise stopped from None
     typer.echo(result.summary(), err=True)

@@ -14,6 +14,9 @@ from memfit.commands._options import KNOB, job_knobs
 from memfit.errors import UsageError
 from memfit.report import doctor
 
+# the effective batch doctor derives (--batch-size × --gradient-accumulation-steps): no flag
+_DERIVED = "(derived effective batch)"
+
 
 @job_knobs
 def doctor_command(
@@ -83,7 +86,16 @@ def doctor_command(
             quantization=quantization, double_quant=double_quant,
             gradient_accumulation_steps=gradient_accumulation_steps,
         )  # fmt: skip
-        problems = knobs.problems()
+        # doctor's own flags: --batch-size is the micro-batch that failed, and the effective
+        # batch follows from it (a problem with it is the --batch-size the user gave)
+        problems = [
+            p
+            for p in knobs.problems(
+                typed=True,
+                flags={"micro_batch_size": "--batch-size", "effective_batch_size": _DERIVED},
+            )
+            if not p.startswith(_DERIVED)
+        ]
         if problems:
             raise UsageError("; ".join(problems))
     # pricing the fixes runs memfit estimate (torch, traces: seconds), as a run folder's does;

@@ -18,6 +18,7 @@ from memfit.commands._options import (
     MemoryCap,
     ModelDir,
     Opt,
+    Overwrite,
     Precision,
     TextColumn,
     run_inference,
@@ -44,6 +45,7 @@ def embed_command(
     normalize: Annotated[bool, Opt("--normalize", help="Unit-length embeddings.")] = False,
     events: Events = None,
     cache_dir: CacheDir = None,
+    overwrite: Overwrite = False,
 ) -> None:
     """Sentence embeddings of every row (sentence-transformers), OOM-guarded."""
     flags = dict(locals())  # the parameters, and nothing else yet: InferConfig's fields

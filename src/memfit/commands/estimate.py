@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from memfit import progress
-from memfit.commands._options import KNOB, TraceDepth, job_knobs
+from memfit.commands._options import KNOB, Overwrite, TraceDepth, job_knobs
 from memfit.errors import UsageError
 from memfit.extras import is_installed, missing_line
 from memfit.report.console import print_estimate
@@ -161,11 +161,12 @@ def estimate_command(
         str | None,
         typer.Option(help="Also draw the breakdown as a picture: FILE.png (or .svg, .pdf)."),
     ] = None,
+    overwrite: Overwrite = False,
     trace_depth: TraceDepth = "auto",
 ) -> None:
     """Predict the peak memory of one steady-state training (or eval) step, offline."""
     if plot is not None:
-        _check_plot(plot)
+        _check_plot(plot, model, overwrite)
 
     # on screen before torch is imported (seconds); the estimator's report() calls refine it
     with progress.status("loading torch and transformers", subject=f"memfit estimate {model}"):
@@ -221,12 +222,23 @@ def estimate_command(
         typer.echo(f"wrote {plot}", err=as_json)
 
 
-def _check_plot(plot: str) -> None:
-    """A bad --plot path fails before the estimate's trace, not after it."""
+def _check_plot(plot: str, model: str, overwrite: bool) -> None:
+    """A bad --plot path fails before the estimate's trace, not after it: the wrong suffix, a
+    missing folder, the model's own file, an existing picture memfit did not draw without
+    --overwrite (memfit.paths.destination_problems)."""
+    from memfit.paths import Kind, destination_problems, holds_mark, model_inputs
+    from memfit.report.plots import PLOT_MARKS
+
     if Path(plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"--plot: {plot} must end in .png, .svg or .pdf")
     if not Path(plot).parent.is_dir():
         raise UsageError(f"--plot: the folder {Path(plot).parent} does not exist")
+    kind = Kind(holds_mark(*PLOT_MARKS), "a picture memfit drew")
+    problems = destination_problems(
+        plot, "--plot", kind, inputs=model_inputs(model, "MODEL"), overwrite=overwrite
+    )
+    if problems:
+        raise UsageError("\n".join(problems))
     if not is_installed("matplotlib"):
         raise UsageError(missing_line("matplotlib", "--plot"))
 

@@ -12,11 +12,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from memfit import progress
-from memfit.commands._options import KNOB, TraceDepth, job_knobs
+from memfit.commands._options import KNOB, Overwrite, TraceDepth, job_knobs
 from memfit.config import write_config as write_run_config
 from memfit.errors import UsageError
 from memfit.job import round_seq_len
-from memfit.paths import check_writable_file
+from memfit.paths import (
+    Kind,
+    check_writable_file,
+    data_inputs,
+    destination_problems,
+    model_inputs,
+    starts_with,
+)
 from memfit.report.console import print_plan
 
 if TYPE_CHECKING:
@@ -105,12 +112,14 @@ def plan_command(
     write_config: Annotated[
         str | None, typer.Option(help="Write the plan as a YAML run config for memfit train.")
     ] = None,
+    overwrite: Overwrite = False,
     trace_depth: TraceDepth = "auto",
 ) -> None:
     """Fit a fine-tuning job into a memory budget, effective batch kept; exit 3 if nothing fits."""
     if write_config is not None:
         # a folder that is missing or read-only fails now, not after the plan's traces
         check_writable_file(write_config, "--write-config")
+        _check_config_destination(write_config, model, train_file, tokenizer, overwrite)
     levers = [a for a in (allow or "").split(",") if a.strip()]
     columns = [c.strip() for c in text_column.split(",") if c.strip()]
     if train_file is None and seq_len is None:
@@ -194,6 +203,34 @@ def plan_command(
         elif as_json:  # stdout holds the JSON: the verdict goes to stderr
             sys.stderr.write(f"memfit: nothing fits in {where}\n")
         raise typer.Exit(3)
+
+
+# a run config memfit wrote starts with this line (memfit.config.write_config): a later plan
+# replaces it without --overwrite
+CONFIG_KIND = Kind(starts_with(b"# memfit run configuration"), "a memfit run config")
+
+
+def _check_config_destination(
+    path: str, model: str, train_file: str | None, tokenizer: str | None, overwrite: bool
+) -> None:
+    """--write-config is never the model, its data or its tokenizer, and replaces an existing
+    file memfit did not write only with --overwrite (memfit.paths.destination_problems)."""
+    from memfit.data.sources import resolve_sources
+
+    inputs = model_inputs(model, "MODEL")
+    if train_file is not None:
+        try:
+            files = [source.path for source in resolve_sources(train_file, "--train-file")]
+        except UsageError:
+            files = []  # the reader says what is wrong with --train-file, in its own words
+        inputs += data_inputs(train_file, "--train-file", files)
+    if tokenizer is not None:
+        inputs += model_inputs(tokenizer, "--tokenizer")
+    problems = destination_problems(
+        path, "--write-config", CONFIG_KIND, inputs=inputs, overwrite=overwrite
+    )
+    if problems:
+        raise UsageError("\n".join(problems))
 
 
 def _data_lengths(

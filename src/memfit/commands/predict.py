@@ -19,6 +19,7 @@ from memfit.commands._options import (
     MemoryCap,
     ModelDir,
     Opt,
+    Overwrite,
     Precision,
     TextColumn,
     run_inference,
@@ -45,6 +46,7 @@ def predict_command(
     precision: Precision = "fp32",
     events: Events = None,
     cache_dir: CacheDir = None,
+    overwrite: Overwrite = False,
 ) -> None:
     """Labels and probabilities (classifier) or per-row loss (causal LM), OOM-guarded."""
     flags = dict(locals())  # the parameters, and nothing else yet: InferConfig's fields

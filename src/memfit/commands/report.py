@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -23,5 +24,10 @@ def report_command(
     # matplotlib, and (unless --no-estimate) torch and the run's estimate: seconds
     doing = "drawing the plots" if no_estimate else "estimating the run's step, drawing the plots"
     with progress.status(doing, subject=f"memfit report {run_dir}"):
-        path = write_report(run_dir, estimate=not no_estimate)
+        # what of the run files was left out, file and line, on stderr (the page says it too)
+        path = write_report(
+            run_dir,
+            estimate=not no_estimate,
+            on_note=lambda note: sys.stderr.write(f"memfit: {note}\n"),
+        )
     typer.echo(f"wrote {path} (and {', '.join(PLOTS)} beside it)")

@@ -23,6 +23,16 @@ are the assistant's. A template that renders a conversation's start differently 
 conversation (one that drops earlier turns' reasoning, say) cannot be read this way: its rows are
 bad rows, and the message says to add the markers.
 
+**Bounds.** A chat template is a program from the model folder, and Jinja's sandbox stops it from
+reaching out, not from looping or growing: two nested ``range(100000)`` loops run 10^10 times,
+``'x' * 10**10`` asks for 10 GB. So the template runs in a process of its own
+(:mod:`memfit.data._render_child`, transformers' own renderer there), one conversation (all its
+renderings) at a time, within :data:`RENDER_SECONDS`, :data:`RENDER_MEMORY` of memory and
+:data:`RENDER_CHARS` characters per rendering; a conversation past a bound is a bad row that says
+which. A template that passes a bound on :data:`RENDER_GIVE_UP` rows and has rendered none is not
+run again: each later row is a bad row at once, saying so. Real templates (Llama 3, Qwen, Mistral,
+Gemma, Phi) render a conversation in milliseconds and a few kilobytes.
+
 **Truncation** to ``max_seq_len`` cuts from the right: a completion (or the last turns of a chat)
 that runs past it is cut, its EOS with it. A row left with no token to learn from (the prompt,
 or everything before the first assistant reply, fills ``max_seq_len``) is a bad row.
@@ -32,11 +42,25 @@ Position 0 is never a target (nothing predicts it): a row's target count is ``su
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import os
 import re
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
+
+from memfit.errors import MemfitError
+from memfit.units import format_bytes
 
 # the label of a token the loss ignores (PyTorch's cross_entropy default)
 IGNORE_INDEX = -100
@@ -44,6 +68,17 @@ IGNORE_INDEX = -100
 VERSION = "instructions-v1"
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# the bounds of one conversation's rendering (see the module docstring): the seconds all its
+# renderings may take, the memory they may take beyond what the renderer holds before, and the
+# characters of one rendering beyond 4 per character of the conversation's JSON
+RENDER_SECONDS = 10.0
+RENDER_MEMORY = 1 << 30
+RENDER_CHARS = 1 << 24
+# rows past a bound, none rendered, after which a template is not run again
+RENDER_GIVE_UP = 3
+# the renderer's start (it imports transformers' renderer): not a row's time
+_START_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -271,24 +306,23 @@ def tokenize_chat(
     *,
     markers: bool | None = None,
 ) -> Tokenized:
-    """The conversation rendered with the tokenizer's chat template and tokenized, the targets
-    on the assistant turns (the template's generation markers where it has them, else the
-    rendered prefixes: see the module docstring), cut to ``max_seq_len`` from the right."""
+    """The conversation rendered with the tokenizer's chat template (within the bounds of the
+    module docstring) and tokenized, the targets on the assistant turns (the template's
+    generation markers where it has them, else the rendered prefixes: see the module
+    docstring), cut to ``max_seq_len`` from the right."""
     if markers is None:
         markers = has_generation_markers(tokenizer)
+    clock = _Clock()
     try:
         if markers:
-            out = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            ids, targets = (
-                [int(x) for x in out["input_ids"]],
-                [int(x) for x in out["assistant_masks"]],
-            )
+            ((text, spans),) = _render(tokenizer, messages, [(len(messages), False)], clock, True)
+            ids, targets = _marked_tokens(tokenizer, text, spans or [])
         else:
-            ids, targets = _chat_by_prefixes(tokenizer, messages)
-    except _PrefixMismatch as exc:
+            ids, targets = _chat_by_prefixes(tokenizer, messages, clock)
+    except (_PrefixMismatch, _PastBound) as exc:
         return Tokenized([], [], str(exc))
+    except MemfitError:  # the renderer could not start: no row can be rendered
+        raise
     except Exception as exc:  # the template's own raise_exception, a jinja error
         return Tokenized(
             [], [], f"the chat template fails on this conversation: {_first_line(exc)}"
@@ -310,25 +344,29 @@ class _PrefixMismatch(Exception):
 
 
 def _chat_by_prefixes(
-    tokenizer: Any, messages: list[dict[str, Any]]
+    tokenizer: Any, messages: list[dict[str, Any]], clock: _Clock
 ) -> tuple[list[int], list[int]]:
     """Tokens and assistant mask of a template without generation markers (rendered prefixes)."""
-
-    def render(part: list[dict[str, Any]], prompt: bool) -> str:
-        if not part:
-            return ""
-        text = tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
-        return str(text)
-
-    whole = render(messages, False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    # every rendering the row needs, at once: (the number of messages, the generation prompt)
+    wanted = list(
+        dict.fromkeys(
+            [(len(messages), False)] + [(i, True) for i in turns] + [(i + 1, False) for i in turns]
+        )
+    )
+    texts = dict(zip(wanted, _texts(tokenizer, messages, wanted, clock), strict=True))
+    whole = texts[(len(messages), False)]
+    # a template without a generation prompt: the start before a reply rendered without one
+    plain = [(i, False) for i in turns if not whole.startswith(texts[(i, True)])]
+    plain = [key for key in dict.fromkeys(plain) if key not in texts]
+    if plain:
+        texts.update(zip(plain, _texts(tokenizer, messages, plain, clock), strict=True))
     spans: list[tuple[int, int]] = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = render(messages[:index], True)
+    for index in turns:
+        before = texts[(index, True)]
         if not whole.startswith(before):
-            before = render(messages[:index], False)  # a template without a generation prompt
-        through = render(messages[: index + 1], False)
+            before = texts[(index, False)]
+        through = texts[(index + 1, False)]
         if not (
             whole.startswith(before) and whole.startswith(through) and len(before) <= len(through)
         ):
@@ -346,6 +384,276 @@ def _chat_by_prefixes(
         for start, end in encoded["offset_mapping"]
     ]
     return ids, targets
+
+
+def _marked_tokens(
+    tokenizer: Any, text: str, spans: Sequence[Sequence[int]]
+) -> tuple[list[int], list[int]]:
+    """Tokens and assistant mask of a rendering whose ``{% generation %}`` blocks span the
+    characters ``spans``: what ``apply_chat_template(return_assistant_tokens_mask=True)`` gives
+    (its tokenization, its mapping of characters to tokens)."""
+    encoded = tokenizer([text], add_special_tokens=False)
+    ids = [int(x) for x in encoded["input_ids"][0]]
+    mask = [0] * len(ids)
+    for begin, end in spans:
+        first = encoded.char_to_token(0, begin)
+        last = encoded.char_to_token(0, end - 1)
+        if first is None:
+            break
+        for position in range(first, last + 1 if last else len(ids)):
+            mask[position] = 1
+    return ids, mask
+
+
+def _texts(
+    tokenizer: Any, messages: list[dict[str, Any]], wanted: list[tuple[int, bool]], clock: _Clock
+) -> list[str]:
+    return [text for text, _ in _render(tokenizer, messages, wanted, clock, False)]
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    wanted: list[tuple[int, bool]],
+    clock: _Clock,
+    spans: bool,
+) -> list[tuple[str, list[list[int]] | None]]:
+    """``messages[:n]`` rendered with the tokenizer's chat template for each ``(n, generation
+    prompt)`` of ``wanted`` (with the ``{% generation %}`` spans where ``spans``), as
+    ``apply_chat_template`` renders them, by the bounded renderer; a :class:`_PastBound` when
+    the row passes a bound."""
+    if not _jinja_tokenizer(tokenizer):
+        # a tokenizer that renders without Jinja (mistral-common): nothing of the folder runs
+        return [
+            (
+                str(
+                    tokenizer.apply_chat_template(
+                        messages[:n], tokenize=False, add_generation_prompt=p
+                    )
+                )
+                if n
+                else "",
+                None,
+            )
+            for n, p in wanted
+        ]
+    specials = json.loads(
+        json.dumps(getattr(tokenizer, "special_tokens_map", {}) or {}, default=str)
+    )
+    request = {
+        "template": str(tokenizer.get_chat_template()),
+        "specials": specials,
+        "messages": messages,
+        "renders": [[n, p, spans] for n, p in wanted],
+    }
+    return _renderer().render(request, clock)
+
+
+def _jinja_tokenizer(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` renders chats with transformers' Jinja renderer (its
+    ``apply_chat_template`` is the one of ``PreTrainedTokenizerBase``)."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    method = getattr(type(tokenizer), "apply_chat_template", None)
+    return isinstance(tokenizer, PreTrainedTokenizerBase) and (
+        method is PreTrainedTokenizerBase.apply_chat_template
+    )
+
+
+# --- the bounded renderer ---------------------------------------------------------------------------
+class _Clock:
+    """A row's time for all its renderings: :data:`RENDER_SECONDS` from now, not counting the
+    renderer's start (its imports: seconds on a busy machine, no time of the template's)."""
+
+    def __init__(self) -> None:
+        self.deadline = time.monotonic() + RENDER_SECONDS
+
+
+class _PastBound(Exception):
+    """A row's rendering passed a bound (its time, memory or size), or was not tried."""
+
+
+class _Renderer:
+    """The rendering process (:mod:`memfit.data._render_child`) of this process: started at the
+    first chat row, restarted after a row that passed a bound, ended at exit."""
+
+    _HEADER = struct.Struct(">I")
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr: IO[bytes] | None = None
+        # per template: the rows past a bound, and whether any row rendered
+        self.past: dict[str, int] = {}
+        self.rendered: set[str] = set()
+
+    def render(
+        self, request: dict[str, Any], clock: _Clock
+    ) -> list[tuple[str, list[list[int]] | None]]:
+        template = request["template"]
+        size = len(json.dumps(request["messages"], ensure_ascii=False, default=str))
+        memory = RENDER_MEMORY + 64 * size
+        request = {**request, "memory": memory, "chars": RENDER_CHARS + 4 * size}
+        with self.lock:
+            past = self.past.get(template, 0)
+            if past >= RENDER_GIVE_UP and template not in self.rendered:
+                raise _PastBound(
+                    f"not rendered: the chat template passed memfit's bounds on the {past} rows "
+                    "before this one and rendered none of them"
+                )
+            try:
+                reply = self._ask(request, clock)
+            except _PastBound:
+                self.past[template] = past + 1
+                raise
+            if "texts" in reply:
+                self.rendered.add(template)
+                return [(str(text), spans) for text, spans in reply["texts"]]
+            if "error" in reply:
+                raise _TemplateError(str(reply["error"]))
+            self.past[template] = past + 1
+            if reply.get("problem") == "memory":
+                self._stop()  # it ends after a memory error: the next row gets a fresh one
+            if reply.get("problem") == "chars":
+                raise _PastBound(
+                    f"the chat template renders more than {int(reply['chars']):,} characters for "
+                    "this conversation (memfit's bound for this row)"
+                )
+            raise _PastBound(
+                f"the chat template needs more than {format_bytes(memory)} of memory "
+                "to render this conversation (memfit's bound per row)"
+            )
+
+    def _ask(self, request: dict[str, Any], clock: _Clock) -> dict[str, Any]:
+        data = json.dumps(request, ensure_ascii=False, default=str).encode("utf-8")
+        started = time.monotonic()
+        proc = self._running()
+        clock.deadline += time.monotonic() - started  # the start is not the row's time
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(self._HEADER.pack(len(data)) + data)
+            proc.stdin.flush()
+            return self._receive(clock.deadline)
+        except TimeoutError:
+            self._stop()
+            raise _PastBound(
+                f"the chat template did not finish rendering this conversation within "
+                f"{RENDER_SECONDS:g} s (memfit's bound per row: does the template loop without "
+                "end?)"
+            ) from None
+        except (BrokenPipeError, EOFError):
+            code = self._stop()
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            raise _PastBound(
+                f"the chat template's renderer ended ({how}) while rendering this conversation"
+            ) from None
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc
+        self._stop()
+        import memfit
+
+        root = str(Path(memfit.__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the process's, closed in _stop
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "memfit.data._render_child"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                env=env,
+            )
+            ready = self._receive(time.monotonic() + _START_SECONDS)
+        except (OSError, TimeoutError, EOFError, ValueError) as exc:
+            ready = {"failed": str(exc) or type(exc).__name__}
+        if not ready.get("ready"):
+            tail = self._stderr_tail() or ready.get("failed")
+            self._stop()
+            raise MemfitError(
+                "memfit could not start its chat-template renderer (python -m "
+                f"memfit.data._render_child); its stderr ends with: {tail or '(nothing)'}"
+            )
+        assert self.proc is not None
+        return self.proc
+
+    def _receive(self, deadline: float) -> dict[str, Any]:
+        (size,) = self._HEADER.unpack(self._read(self._HEADER.size, deadline))
+        return dict(json.loads(self._read(size, deadline).decode("utf-8")))
+
+    def _read(self, count: int, deadline: float) -> bytes:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        parts: list[bytes] = []
+        while count > 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            part = os.read(fd, min(count, 1 << 20))
+            if not part:
+                raise EOFError
+            parts.append(part)
+            count -= len(part)
+        return b"".join(parts)
+
+    def _stderr_tail(self) -> str:
+        if self.stderr is None:
+            return ""
+        self.stderr.seek(0)
+        lines = self.stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def _stop(self) -> int:
+        """End the process (it is this process's own child); its exit code (0: none ran)."""
+        proc, self.proc = self.proc, None
+        code = 0
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            code = proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+        if self.stderr is not None:
+            self.stderr.close()
+            self.stderr = None
+        return code
+
+    def close(self) -> None:
+        """At exit: end the process (EOF on its input ends it; a kill if it does not)."""
+        with self.lock:
+            proc = self.proc
+            if proc is not None and proc.poll() is None and proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                    proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            self._stop()
+
+
+class _TemplateError(Exception):
+    """The template failed on the conversation (its ``raise_exception``, a Jinja error)."""
+
+
+_RENDERER: _Renderer | None = None
+_RENDERER_LOCK = threading.Lock()
+
+
+def _renderer() -> _Renderer:
+    """This process's renderer (a forked child starts its own: the pipes are its parent's)."""
+    global _RENDERER
+    with _RENDERER_LOCK:
+        if _RENDERER is None or _RENDERER.owner != os.getpid():
+            _RENDERER = _Renderer()
+            atexit.register(_RENDERER.close)
+        return _RENDERER
 
 
 def _common_start(a: list[int], b: list[int]) -> int:

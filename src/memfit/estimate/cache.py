@@ -7,6 +7,14 @@ name and arguments and looked up in :data:`FORMULAS`, and a file that names anyt
 not what memfit writes, is ignored (the model is traced again). The config is not stored: the file
 name hashes it, and the caller's own config is attached on reading.
 
+Nor are its numbers trusted: a file is a file, and an edited one (sizes negated, zeroed, or
+10^30) would change every verdict made from it. A trace's figures are redundant, and a file is
+used only when they agree as memfit writes them (:func:`_check_traced`): every size a whole
+number of bytes from 0 to :data:`MAX_SIZE`, every allocation's size its tensor's elements times
+their size (or its formula's), the parameters' bytes the sum of the parameters, the fitted
+dims giving back the traced steps' sizes, the device profile's figures within a device. Any
+other file is traced again, as a damaged one is.
+
 ``MEMFIT_CACHE_DIR`` moves the cache (default ``~/.cache/memfit``); ``MEMFIT_NO_CACHE=1`` turns it
 off. File names hash the model's config, the knobs, how deep it was traced, the torch and
 transformers versions and memfit's estimator source, so a changed model, library or estimator
@@ -19,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import tempfile
 import zlib
@@ -30,7 +39,20 @@ import numpy as np
 from memfit.devices.profiles import CudaProfile
 from memfit.estimate import sdpa_kernels
 from memfit.estimate.fit import FittedSegment
-from memfit.estimate.trace import ParamInfo, Segment, StepTrace
+from memfit.estimate.trace import (
+    ALLOC,
+    BLOCK,
+    CAT,
+    CATEGORIES,
+    FREE,
+    FREE_PREV,
+    FREE_RES,
+    MARK,
+    PHASES,
+    ParamInfo,
+    Segment,
+    StepTrace,
+)
 from memfit.estimate.workload import StepSpec
 
 FORMAT = 1
@@ -111,8 +133,10 @@ def read(path: Path, key: tuple[Any, ...], config: Any, make: Any) -> Any | None
             return None
         if data.get("key") != repr(key):
             return None
-        return _traced_from(data, config, make)
-    except Exception:  # anything a damaged or foreign file can raise: trace again
+        traced = _traced_from(data, config, make)
+        _check_traced(traced)
+        return traced
+    except Exception:  # anything a damaged, foreign or edited file can raise: trace again
         return None
 
 
@@ -328,3 +352,129 @@ def _ints(values: Any) -> list[int]:
     if not isinstance(values, list) or any(type(v) is not int for v in values):
         raise TypeError("a list of whole numbers expected")
     return values
+
+
+# --- checks: a file is used only when its figures agree as memfit writes them ---------------------
+# no allocation, and no device figure, is larger than this (1 PiB: more than any device holds)
+MAX_SIZE = 2**50
+
+
+class _Untrusted(ValueError):
+    """A trace file whose figures memfit cannot have written (edited or damaged)."""
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise _Untrusted(what)
+
+
+def _sizes_ok(values: list[int]) -> bool:
+    return all(0 <= v <= MAX_SIZE for v in values)
+
+
+def _numel(shape: tuple[int, ...] | list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_traced(traced: Any) -> None:
+    """Raise :class:`_Untrusted` unless ``traced`` (and its exact traces and variants) are
+    consistent as memfit writes them: see the module's docstring."""
+    trace: StepTrace = traced.trace
+    _check_trace(trace)
+    if traced.fitted is not None:
+        _check_fitted(traced.fitted, trace)
+    profile = traced.profile
+    for f in dataclasses.fields(profile):
+        value = getattr(profile, f.name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _require(0 <= value <= MAX_SIZE, f"profile {f.name}")
+    _require(math.isfinite(traced.trace_seconds) and traced.trace_seconds >= 0, "trace_seconds")
+    _require(traced.max_positions >= 1, "max_positions")
+    for nested in [*traced._exact.values(), *traced._variants.values()]:
+        _check_traced(nested)
+
+
+def _check_trace(trace: StepTrace) -> None:
+    residents = trace.resident_sizes
+    _require(_sizes_ok(residents), "resident sizes")
+    _require(len(trace.resident_categories) == len(residents), "resident categories")
+    _require(all(0 <= c < len(CATEGORIES) for c in trace.resident_categories), "categories")
+    parameters = [
+        s
+        for s, c in zip(residents, trace.resident_categories, strict=True)
+        if c == CAT["parameters"]
+    ]
+    _require(trace.parameter_bytes == sum(parameters), "parameter bytes")
+    for p in trace.params:
+        _require(0 <= p.alloc < len(residents), "parameter allocation")
+        _require(all(d >= 0 for d in p.shape) and p.itemsize > 0, "parameter shape")
+        _require(residents[p.alloc] == p.numel * p.itemsize, "parameter size")
+    trainable = [p for p in trace.params if p.trainable]
+    if trace.params:
+        _require(trace.num_parameters == sum(p.numel for p in trace.params), "parameters")
+        _require(trace.trainable_parameters == sum(p.numel for p in trainable), "trainable")
+        _require(
+            trace.trainable_gradient_bytes == sum(p.numel * p.itemsize for p in trainable),
+            "trainable gradient bytes",
+        )
+    _require(0 <= trace.largest_module_parameters <= max(trace.num_parameters, 0), "largest")
+    for shape, fb, opt in trace.steps:
+        _require(shape[0] >= 1 and shape[1] >= 1, "step shape")
+        _check_segment(fb, len(residents))
+        if opt is not None:
+            _check_segment(opt, len(residents))
+
+
+def _check_segment(seg: Segment, residents: int) -> None:
+    n = len(seg.sizes)
+    lengths = {
+        len(seg.categories),
+        len(seg.ops),
+        len(seg.shapes),
+        len(seg.itemsizes),
+        len(seg.formulas),
+        len(seg.params),
+        len(seg.origins),
+    }
+    _require(lengths == {n}, "segment lengths")
+    _require(_sizes_ok(seg.sizes), "sizes")
+    _require(all(0 <= c < len(CATEGORIES) for c in seg.categories), "categories")
+    for size, shape, itemsize, formula in zip(
+        seg.sizes, seg.shapes, seg.itemsizes, seg.formulas, strict=True
+    ):
+        _require(all(d >= 0 for d in shape), "dims")
+        if formula is not None:
+            _require(formula(*shape) == size, "a formula's size")
+        elif itemsize > 0:
+            _require(_numel(shape) * itemsize == size, "a size")
+        else:
+            _require(itemsize == 0, "an element size")
+    for kind, ref in seg.events:
+        if kind == ALLOC:
+            _require(0 <= ref < n, "an allocation event")
+        elif kind == FREE:
+            _require(ref < n and -ref - 1 < residents, "a free event")
+        elif kind == MARK:
+            _require(0 <= ref < len(PHASES), "a phase")
+        else:  # freeing the forward's allocation or a resident one; a block's start or end
+            _require(kind in (FREE_PREV, FREE_RES, BLOCK) and ref >= 0, "an event")
+
+
+def _check_fitted(fitted: FittedSegment, trace: StepTrace) -> None:
+    """The fit's own figures, and its dims giving back the sizes of every traced step it fits."""
+    _check_segment(fitted.template, len(trace.resident_sizes))
+    n = len(fitted.template.sizes)
+    _require(bool(np.isfinite(fitted.coefficients).all()), "coefficients")
+    _require(fitted.coefficients.ndim == 3 and fitted.coefficients.shape[0] == n, "coefficients")
+    _require(fitted.ranks.shape == (n,) and fitted.itemsizes.shape == (n,), "fit lengths")
+    _require(bool((fitted.itemsizes >= 0).all()), "fit element sizes")
+    # some traced step of the fit's kind (its allocations) is what the fit predicts at its shape:
+    # an edited coefficient predicts other sizes at every shape
+    given_back = any(
+        len(fb.sizes) == n and fitted.sizes(batch, seq).tolist() == fb.sizes
+        for (batch, seq), fb, _ in trace.steps
+    )
+    _require(given_back, "a fit that gives back no traced step")

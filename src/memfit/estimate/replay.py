@@ -81,12 +81,30 @@ def replay_step(
         (trace.steps[0][2], trace.steps[1][2]) if spec.mode == "train" else (None, None)
     )
     sharded = _Sharded(shard)
-    fb_sizes = sharded.sizes(fb, fb_sizes)
     if spec.device == "cpu":
         return _replay_cpu(trace, fb, fb_sizes, optimizer_segments[1], spec, sharded, accumulate)
     return _replay_cuda(
         trace, fb, fb_sizes, optimizer_segments, spec, profile, sharded, world_size, accumulate
     )
+
+
+def first_forward_backward(
+    trace: StepTrace, fb: Segment, fb_sizes: list[int]
+) -> tuple[Segment, list[int]]:
+    """The forward+backward segment the CUDA replay's first step runs, at the sizes replayed.
+
+    The first optimizer step frees allocations of the first traced step's forward+backward
+    (``FREE_PREV``: its gradients, its batch), so it must follow that very segment. Where the
+    first step made allocations the later ones do not (a model's lazily built state: LongRoPE's
+    long frequencies on the first forward), its segment is not the steady ``fb``; such a trace
+    has no fit (the fit's check is that step) and was traced at the very shape replayed, so its
+    own sizes are the ones.
+    """
+    first = trace.steps[0][1]
+    # the same events (the fit's check step) walk alike at the fitted sizes
+    if first is fb or (first.events == fb.events and first.categories == fb.categories):
+        return fb, fb_sizes
+    return first, list(first.sizes)
 
 
 class _Sharded:
@@ -179,10 +197,10 @@ class StepWalk:
     """The walk over a replay's events, on ``memory``: bytes by category, and the peak of each phase.
 
     ``trace`` and ``fb`` (its forward/backward segment, with ``fb_sizes``) are what is replayed;
-    ``sharded`` resizes it and adds the scheme's buffers. ``tracking`` off (a warm-up step) walks
-    without recording peaks. ``measure_buffer_frees``: a peak is also measured after a scheme's
-    buffer is freed (the CPU replay's way: it changes the first measurement of a phase that starts
-    with a free), not only after an allocation.
+    ``sharded`` resizes each segment as it is walked and adds the scheme's buffers. ``tracking``
+    off (a warm-up step) walks without recording peaks. ``measure_buffer_frees``: a peak is also
+    measured after a scheme's buffer is freed (the CPU replay's way: it changes the first
+    measurement of a phase that starts with a free), not only after an allocation.
     """
 
     def __init__(
@@ -197,7 +215,7 @@ class StepWalk:
     ) -> None:
         self.trace = trace
         self.fb = fb
-        self.fb_sizes = fb_sizes
+        self.fb_sizes = fb_sizes  # unsharded: each walk resizes (the scheme's spikes follow it)
         self.sharded = sharded
         self.memory = memory
         self.measure_buffer_frees = measure_buffer_frees
@@ -210,11 +228,12 @@ class StepWalk:
         self.best = -1
         self.best_raw = list(self.raw)
         self.best_phase = self.phase
-        self.conversions, self.conversion_buffer = sharded.conversions(fb)
-        # fb's sizes once backward is over (the optimizer frees these)
-        self.fb_after = list(fb_sizes)
-        for j, _, after in self.conversions:
-            self.fb_after[j] = after
+        # the forward+backward segment walked last (the optimizer step frees its allocations),
+        # its conversions, and its sizes once backward is over
+        self.walked = fb
+        self.conversions: list[tuple[int, int, int]] = []
+        self.conversion_buffer = 0
+        self.fb_after: list[int] = []
 
     def place(self, ids: Iterable[int]) -> None:
         """Allocate the resident tensors ``ids`` (global ids), piece by piece."""
@@ -246,19 +265,37 @@ class StepWalk:
         opt_sizes: list[int] | None,
         globals_: list[int] | None = None,
         accumulate: bool = False,
+        first: tuple[Segment, list[int]] | None = None,
     ) -> None:
         """Forward and backward, then (training: ``opt``) the optimizer step.
 
         ``globals_``: the global id of each of ``opt``'s allocations, for the first optimizer step
         (its state stays for the next). ``accumulate``: a later micro-batch runs in between.
+        ``first``: the first step's own forward+backward segment and its sizes (unsharded), where
+        it is not the steady one (see :func:`first_forward_backward`).
         """
-        fb_handles = self.run(self.fb, self.fb_sizes)
+        fb, raw_sizes, fb_globals = self.fb, self.fb_sizes, None
+        if first is not None and first[0] is not fb:
+            fb, raw_sizes = first
+            # its allocations follow the resident ones (global ids, as the trace numbers them):
+            # what outlives the step (lazily built state) is a resident a later step may free
+            start = len(self.trace.initial)
+            fb_globals = list(range(start, start + len(raw_sizes)))
+        fb_sizes = self.sharded.sizes(fb, raw_sizes)
+        self.walked = fb
+        self.conversions, self.conversion_buffer = self.sharded.conversions(fb)
+        self.fb_after = list(fb_sizes)
+        for j, _, after in self.conversions:
+            self.fb_after[j] = after
+        fb_handles = self.run(fb, fb_sizes, globals_=fb_globals)
         if opt is None:
             return
         assert opt_sizes is not None
         self.convert(fb_handles)
         if accumulate:
-            self.run(self.fb, self.fb_sizes, transient_grads=True)
+            # a later micro-batch runs the steady forward and backward
+            steady = fb_sizes if fb is self.fb else self.sharded.sizes(self.fb, self.fb_sizes)
+            self.run(self.fb, steady, transient_grads=True)
             # the later micro-batch's root gradients are reduce-scattered as well (added
             # into the shards in place): the transient run already freed them
         self.run(opt, opt_sizes, fb_handles, globals_)
@@ -302,7 +339,7 @@ class StepWalk:
             elif kind == FREE_PREV:
                 assert prev is not None
                 free(prev[ref])
-                raw[self.fb.categories[ref]] -= self.fb_after[ref]
+                raw[self.walked.categories[ref]] -= self.fb_after[ref]
             else:
                 # a resident tensor (parameter, optimizer state) the step frees
                 sizes, cats = self.trace.resident_sizes, self.trace.resident_categories
@@ -400,18 +437,20 @@ def _replay_cuda(
             allocator.malloc(profile.cublaslt_workspace_bytes)
     walk.start_peak(-1)
     walk.tracking = False
+    # the first step runs the first traced step's forward and backward (lazily built state)
+    first = first_forward_backward(trace, fb, fb_sizes)
     if spec.mode == "train":
         first_opt, steady_opt = optimizer_segments
         assert first_opt is not None and steady_opt is not None
         # step 1 creates the optimizer state; step 2 is the steady state we report
         first_sizes = sharded.sizes(first_opt, first_opt.sizes)
         steady_sizes = sharded.sizes(steady_opt, steady_opt.sizes)
-        walk.step(first_opt, first_sizes, trace.first_optimizer_globals, accumulate)
+        walk.step(first_opt, first_sizes, trace.first_optimizer_globals, accumulate, first)
         memory.reset_peaks()
         walk.tracking = True
         walk.step(steady_opt, steady_sizes, None, accumulate)
     else:
-        walk.step(None, None)  # a first batch warms the cache
+        walk.step(None, None, first=first)  # a first batch warms the cache
         memory.reset_peaks()
         walk.tracking = True
         walk.step(None, None)

@@ -29,20 +29,28 @@ _OOM_MESSAGES = (
 def is_oom(exc: BaseException) -> bool:
     """Whether ``exc`` is an out-of-memory error, also when something wrapped it in a
     ``RuntimeError`` (its message or its ``__cause__`` then says so)."""
+    return oom_in(exc) is not None
+
+
+def oom_in(exc: BaseException) -> BaseException | None:
+    """The out-of-memory error in ``exc`` or its chain of causes (None: there is none). What a
+    message quotes: a wrapper's own words may say nothing of memory (transformers' tokenizer
+    turns an OOM while it makes its tensors into "Unable to create tensor, you should probably
+    activate truncation and/or padding…")."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, torch.OutOfMemoryError | MemoryError):
-            return True
+            return current
         if isinstance(current, RuntimeError):
             message = str(current).lower()
             if any(fragment in message for fragment in _OOM_MESSAGES):
-                return True
+                return current
             if "cudnn_status_not_supported" in message and "memory" in message:
-                return True
+                return current
         current = current.__cause__
-    return False
+    return None
 
 
 def first_line(exc: BaseException) -> str:
@@ -93,11 +101,15 @@ class CatchOom:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if not isinstance(exc, Exception) or not is_oom(exc):
+        if not isinstance(exc, Exception):
+            return False
+        oom = oom_in(exc)
+        if oom is None:
             return False
         if self.when is not None and not self.when():
             return False
-        self.error = first_line(exc)
+        # the OOM's own words, not those of a library that wrapped it
+        self.error = first_line(oom)
         self.exception_type = type(exc)
         if self.on_oom is not None:
             self.on_oom(exc)

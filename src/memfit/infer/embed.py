@@ -25,7 +25,14 @@ from memfit.errors import UsageError
 from memfit.extras import problems as missing_packages
 from memfit.infer.inputs import FLAG, id_type, read_input
 from memfit.infer.model import load_sentence_transformer, model_folder
-from memfit.infer.output import EMBED_SUFFIXES, AtomicOutput, NpyOutput, ParquetOutput, check_output
+from memfit.infer.output import (
+    EMBED_SUFFIXES,
+    AtomicOutput,
+    NpyOutput,
+    ParquetOutput,
+    check_output,
+    destination_problems,
+)
 from memfit.infer.run import (
     InferConfig,
     InferResult,
@@ -135,6 +142,13 @@ def embed(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
         resolve_sources(cfg.file, FLAG)
     except UsageError as exc:
         problems.append(str(exc))
+    problems += destination_problems(
+        output=cfg.output,
+        events=cfg.events,
+        file=cfg.file,
+        model=folder,
+        overwrite=cfg.overwrite,
+    )
     if problems:
         raise UsageError("\n".join(problems))
     assert folder is not None

@@ -113,24 +113,28 @@ def quiet_transformers() -> None:
 
 
 def load(loader: Callable[..., T], folder: Path, **kwargs: Any) -> T:
-    """``loader(folder, **kwargs)`` with no remote code and no download; a load that fails is one
-    line naming MODEL_DIR."""
-    from memfit.models.folder import check_for_loader, mismatch_message
+    """``loader(folder, **kwargs)`` with no remote code and no download; a load that fails, or
+    leaves part of the model's body to random weights, is one line naming MODEL_DIR (the checks
+    and the lines are memfit train's: :mod:`memfit.models.folder`)."""
+    from memfit.models.folder import check_for_loader, check_loaded, load_failure, recorded_loads
 
     quiet_transformers()
     # the config, tokenizer files and weights' headers first (the checks memfit train makes)
     check_for_loader(loader, folder, "MODEL_DIR", without="the outputs would be random")
     try:
-        return loader(str(folder), trust_remote_code=False, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as exc:
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise UsageError(f"MODEL_DIR: cannot load {folder}: {first}") from None
-    except RuntimeError as exc:
-        message = mismatch_message(exc, str(folder), "MODEL_DIR")
+        with recorded_loads() as loaded:
+            result = loader(str(folder), trust_remote_code=False, local_files_only=True, **kwargs)
+    except Exception as exc:
+        # an unsafe pickle, remote code or not a model (OSError, ValueError), weights that do
+        # not fit the config (RuntimeError); anything else is a bug, raised
+        message = load_failure(exc, str(folder), "MODEL_DIR")
         if message is None:
             raise
         raise UsageError(message) from None
+    for model, info in loaded:
+        # a head the folder lacks is load_predict_model's to refuse (it names the task)
+        check_loaded(model, info, str(folder), "MODEL_DIR", without="the outputs would be random")
+    return result
 
 
 def load_predict_model(folder: Path, task: str) -> Any:
@@ -142,6 +146,7 @@ def load_predict_model(folder: Path, task: str) -> Any:
         AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     )
     model, info = load(auto.from_pretrained, folder, output_loading_info=True)
+    # (the body is whole, load() checked it: what is missing is the task's head)
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         shown = ", ".join(missing[:3]) + (

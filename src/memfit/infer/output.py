@@ -10,6 +10,16 @@ new one, and a run that fails leaves nothing half-written.
 
 Every writer receives the blocks in input order (the runner restores the order of each block
 before it writes), so a row's place in the file is its place in the input.
+
+While an output is open, SIGTERM and SIGHUP (where their handler is the default one: a handler
+someone set, or ``nohup``'s SIG_IGN, stays) raise :class:`Terminated` instead of killing the
+process, so the temporary file is removed on the way out as it is for SIGINT (KeyboardInterrupt)
+and any exception: the output is whole or absent. A signal that arrives while the finished file
+is renamed into place waits for the rename.
+
+:func:`destination_problems`: ``--output`` and ``--events`` are never an input, never one file,
+and never an existing file memfit did not write unless ``--overwrite``
+(:func:`memfit.paths.destination_problems`).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import contextlib
 import errno
 import json
 import os
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -25,9 +37,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from memfit import paths
+from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
+from memfit.paths import Kind, first_json_record, never
 
 EMBED_SUFFIXES = (".npy", ".parquet")
+# the Parquet schema's metadata key (and value) that marks a file memfit embed wrote
+PARQUET_MARK = (b"memfit", b"embed")
+# what a signal that ends the process would leave behind: SIGINT is Python's KeyboardInterrupt
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 OutputT = TypeVar("OutputT", bound="AtomicOutput")
 
@@ -50,6 +71,97 @@ def check_output(path: str | Path, suffixes: tuple[str, ...]) -> list[str]:
     return problems
 
 
+# --- what memfit wrote ------------------------------------------------------------------------
+# the keys of a memfit predict record, one of which its first line holds after "row": 0
+_PREDICT_KEYS = ("label", "labels", "score", "scores", "loss")
+
+
+def _predict_output(path: Path) -> bool:
+    """A file memfit predict wrote: its first line is a record whose first key is ``"row": 0``."""
+    record = first_json_record(path)
+    return (
+        record is not None
+        and next(iter(record)) == "row"
+        and record["row"] == 0
+        and any(key in record for key in _PREDICT_KEYS)
+    )
+
+
+def _embed_parquet(path: Path) -> bool:
+    """A Parquet file memfit embed wrote: its schema carries :data:`PARQUET_MARK`."""
+    import pyarrow.parquet as pq
+
+    metadata = pq.read_schema(path).metadata or {}
+    return metadata.get(PARQUET_MARK[0]) == PARQUET_MARK[1]
+
+
+def _events_log(path: Path) -> bool:
+    """An ``--events`` log memfit predict or embed wrote: it starts with the run's plan."""
+    record = first_json_record(path)
+    return (
+        record is not None
+        and record.get("type") == "plan"
+        and record.get("phase") in ("predict", "embed")
+    )
+
+
+OUTPUT_KINDS = {
+    ".jsonl": Kind(_predict_output, "a memfit predict output"),
+    ".parquet": Kind(_embed_parquet, "a memfit embed output"),
+    # a .npy header holds the array's dtype, order and shape, and nothing more
+    ".npy": Kind(never, "a .npy file"),
+}
+EVENTS_KIND = Kind(_events_log, "a memfit predict or embed --events log")
+
+
+def destination_problems(
+    *, output: str, events: str | None, file: str, model: Path | None, overwrite: bool
+) -> list[str]:
+    """Why ``--output`` or ``--events`` must not be written (:func:`memfit.paths.
+    destination_problems`): an input (``--file``'s files or folder, the model folder), one file
+    for both, or an existing file memfit did not write without ``--overwrite``."""
+    try:
+        files = [source.path for source in resolve_sources(file, "--file")]
+    except UsageError:
+        files = []  # the reader says what is wrong with --file, in its own words
+    inputs = paths.data_inputs(file, "--file", files)
+    if model is not None:
+        inputs.append(paths.Input("MODEL_DIR", model, "model"))
+    problems = []
+    kind = OUTPUT_KINDS.get(Path(output).suffix.lower())
+    if kind is not None:  # another suffix is check_output's problem
+        problems += paths.destination_problems(
+            output, "--output", kind, inputs=inputs, overwrite=overwrite
+        )
+    if events is not None:
+        problems += paths.destination_problems(
+            events,
+            "--events",
+            EVENTS_KIND,
+            inputs=inputs,
+            overwrite=overwrite,
+            others=[("--output", output)],
+            renamed=False,  # a log, opened and written through
+        )
+    return problems
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while an output was open (a KeyboardInterrupt, as SIGINT is: no
+    ``except Exception`` on the way out can swallow it). ``exit_code``: 128 + the signal."""
+
+    def __init__(self, signum: int, path: Path, *, written: bool) -> None:
+        name = signal.Signals(signum).name
+        if written:
+            told = f"stopped by {name} after --output {path} was written in full"
+        else:
+            told = (
+                f"stopped by {name}: --output {path} was not written (the partial file was removed)"
+            )
+        super().__init__(told)
+        self.exit_code = 128 + int(signum)
+
+
 class AtomicOutput:
     """A file written under a temporary name and renamed into place at the end (a context
     manager: a clean exit commits, an exception removes the temporary file). A disk that fills
@@ -61,8 +173,19 @@ class AtomicOutput:
         # hidden, beside the output: the same file system, so the rename is atomic
         self.temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self.rows = 0
+        self._previous: dict[int, Any] = {}
+        self._closing = False
+        self._pending: int | None = None
 
     def __enter__(self: OutputT) -> OutputT:
+        self._arm()
+        try:
+            self._open()
+        except BaseException:
+            self._closing = True
+            self.abort()
+            self._disarm()
+            raise
         return self
 
     def __exit__(
@@ -71,14 +194,51 @@ class AtomicOutput:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc_type is not None:
-            self.abort()
-            return
+        # a signal from here on waits: the temporary file is removed, or renamed into place
+        self._closing = True
         try:
-            self.commit()
-        except BaseException:
-            self.abort()
-            raise
+            if exc_type is not None:
+                self.abort()
+                return
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        finally:
+            self._disarm()
+        if self._pending is not None:
+            raise Terminated(self._pending, self.path, written=True)
+
+    # -- signals ---------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        """SIGTERM/SIGHUP raise :class:`Terminated` while the output is open (so the ``with``
+        removes the temporary file) where their handler is the default, which would kill the
+        process and leave it; Python sets handlers in the main thread only."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._closing:
+            self._pending = signum  # raised once the file is renamed into place, or removed
+            return
+        # removed here as well: the exception may surface in the first steps of __exit__, before
+        # it would remove the file (only unlinked: closing a file whose write this interrupted
+        # could re-enter its buffer; the ``with`` closes it on the way out)
+        with contextlib.suppress(OSError):
+            self.temporary.unlink(missing_ok=True)
+        raise Terminated(signum, self.path, written=False)
+
+    def _disarm(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _open(self) -> None:
+        """Create the temporary file (subclasses that make it before the first block)."""
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -120,6 +280,9 @@ class JsonlOutput(AtomicOutput):
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
+        self._handle: Any = None
+
+    def _open(self) -> None:
         with self._writing():
             self._handle = open(self.temporary, "w", encoding="utf-8")  # noqa: SIM115 - closed in _close
 
@@ -130,7 +293,7 @@ class JsonlOutput(AtomicOutput):
         self.rows += len(records)
 
     def _close(self) -> None:
-        if not self._handle.closed:
+        if self._handle is not None and not self._handle.closed:
             try:
                 self._handle.flush()
                 os.fsync(self._handle.fileno())
@@ -199,7 +362,8 @@ class ParquetOutput(AtomicOutput):
         if id_column is not None:
             fields.append(pa.field(id_column, pa.int64() if id_kind == "int" else pa.string()))
         fields.append(pa.field("embedding", pa.list_(pa.float32())))
-        self.schema = pa.schema(fields)
+        # the mark a later run knows its own file by (memfit.paths): replaced without --overwrite
+        self.schema = pa.schema(fields, metadata=dict([PARQUET_MARK]))
         self.id_column = id_column
         self._writer: Any = None
 

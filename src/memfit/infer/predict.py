@@ -19,6 +19,7 @@ does not depend on the rows it ran beside.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from memfit.infer.model import (
     model_folder,
     predict_task,
 )
-from memfit.infer.output import JsonlOutput, check_output
+from memfit.infer.output import JsonlOutput, check_output, destination_problems
 from memfit.infer.run import (
     InferConfig,
     InferResult,
@@ -130,7 +131,11 @@ class Classifier(_TextModel):
         self.num_labels = int(config.num_labels)
         self.names = [str(config.id2label.get(k, k)) for k in range(self.num_labels)]
         problem = getattr(config, "problem_type", None)
-        if problem == "regression" or (problem is None and self.num_labels == 1):
+        # one label and no problem type reads as regression (transformers' rule), but not in
+        # the model of a memfit train run of --task classification: its run says what it is
+        if problem == "regression" or (
+            problem is None and self.num_labels == 1 and _run_task(folder) != "classification"
+        ):
             self.kind = "regression"
         elif problem == "multi_label_classification":
             self.kind = "multi_label"
@@ -175,6 +180,20 @@ class Classifier(_TextModel):
             out["labels"] = [n for n, p in zip(self.names, values, strict=True) if p >= 0.5]
         out["probabilities"] = dict(zip(self.names, values, strict=True))
         return out
+
+
+def _run_task(folder: Path) -> str | None:
+    """The ``--task`` of the memfit train run whose ``model/`` is ``folder`` (its ``run.json``),
+    or None when ``folder`` is not such a run's model or its run.json does not say."""
+    if folder.name != "model":
+        return None
+    try:
+        run = json.loads((folder.parent / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = run.get("config") if isinstance(run, dict) else None
+    task = config.get("task") if isinstance(config, dict) else None
+    return task if isinstance(task, str) else None
 
 
 class LanguageModel(_TextModel):
@@ -256,6 +275,13 @@ def predict(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
     reserved = RESERVED_LM if task == "causal-lm" else RESERVED
     if cfg.id_column in reserved:
         problems.append(f"--id-column: {cfg.id_column!r} is a key memfit predict writes; rename it")
+    problems += destination_problems(
+        output=cfg.output,
+        events=cfg.events,
+        file=cfg.file,
+        model=folder,
+        overwrite=cfg.overwrite,
+    )
     if problems:
         raise UsageError("\n".join(problems))
     assert folder is not None and task is not None

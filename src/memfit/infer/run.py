@@ -100,6 +100,9 @@ class InferConfig:
     """``--prompt-name`` (embed): a prompt of the sentence-transformers model's ``prompts``."""
     normalize: bool = False
     """``--normalize`` (embed): unit-length embeddings."""
+    overwrite: bool = False
+    """``--overwrite``: replace an existing ``--output`` or ``--events`` file that memfit did not
+    write (an input never: :func:`memfit.infer.output.destination_problems`)."""
 
 
 @dataclass(frozen=True)
@@ -520,6 +523,8 @@ def run(
             if cap is not None:
                 # the weights were made before the cap: count them, as a device would hold them
                 cap.track(runner.model)
+            if cap_bytes is not None:
+                _check_weights_fit(cap_bytes, cap, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             started = time.perf_counter()
@@ -568,6 +573,19 @@ def run(
         return result
     finally:
         events.close()
+
+
+def _check_weights_fit(cap_bytes: int, cap: Any, device: torch.device) -> None:
+    """A cap the model's weights fill by themselves: no row can run, and the first allocation
+    would fail wherever it happens to be (inside the tokenizer, which words the OOM as a
+    truncation problem). One line now, exit 3."""
+    held = int(cap.live_bytes) if cap is not None else int(torch.cuda.memory_allocated(device))
+    if held >= cap_bytes:
+        raise NothingFitsError(
+            f"--memory-cap: the model's weights alone hold {format_bytes(held)} and the cap is "
+            f"{format_bytes(cap_bytes)}: no row can run; give a --memory-cap above the weights "
+            "(or none)"
+        )
 
 
 def config_from(config: InferConfig | None, knobs: dict[str, Any]) -> InferConfig:

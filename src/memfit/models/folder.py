@@ -6,13 +6,23 @@ every word ``[UNK]``), a truncated ``model.safetensors`` raises a ``SafetensorEr
 sizes no longer match the weights a ``RuntimeError`` that points to a logged report. These checks
 read only ``config.json``, file names, safetensors headers and zip directories (no weights), and
 every problem is a :class:`~memfit.errors.UsageError` naming ``flag`` and the folder or file.
+
+What only the load itself tells is checked on its outcome: :func:`recorded_loads` keeps the loading
+report of every transformers model a loader makes (``SentenceTransformer`` makes one inside), and
+:func:`check_loaded` refuses a model whose body the weights did not fill (transformers initializes
+the rest at random and only logs it: a weights file of another model, a ``config.json`` given more
+layers than were saved); :func:`load_failure` is the one line for a load that raised.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import pickle
+import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -156,18 +166,164 @@ def mismatch_message(exc: BaseException, folder: str, flag: str) -> str | None:
         return None
     details = _mismatched_keys(exc.__traceback__)
     if details:
-        shown = "; ".join(
-            f"{key} is {_shape(saved)} in the weights, {_shape(wanted)} by the config"
-            for key, saved, wanted in details[:2]
-        )
-        more = f" (and {len(details) - 2} more)" if len(details) > 2 else ""
-    else:  # transformers 4: "size mismatch for KEY: copying a param with shape ..."
-        lines = [x.strip() for x in text.splitlines() if "size mismatch for" in x]
-        shown, more = (lines[0] if lines else "tensor shapes differ"), ""
-    return (
-        f"{flag}: the weights in {folder} do not fit its config.json: {shown}{more} (was "
-        "config.json edited after the weights were saved?)"
+        return _mismatch_line(details, folder, flag)
+    # transformers 4: "size mismatch for KEY: copying a param with shape ..."
+    lines = [x.strip() for x in text.splitlines() if "size mismatch for" in x]
+    return _misfit_line(lines[0] if lines else "tensor shapes differ", folder, flag)
+
+
+def _mismatch_line(details: list[tuple[str, Any, Any]], folder: str, flag: str) -> str:
+    """The line for tensors whose shapes in the weights are not the config's: the first two."""
+    shown = "; ".join(
+        f"{key} is {_shape(saved)} in the weights, {_shape(wanted)} by the config"
+        for key, saved, wanted in details[:2]
     )
+    more = f" (and {len(details) - 2} more)" if len(details) > 2 else ""
+    return _misfit_line(shown + more, folder, flag)
+
+
+def _misfit_line(shown: str, folder: str, flag: str) -> str:
+    return (
+        f"{flag}: the weights in {folder} do not fit its config.json: {shown} (was config.json "
+        "edited after the weights were saved?)"
+    )
+
+
+@contextlib.contextmanager
+def recorded_loads() -> Iterator[list[tuple[Any, dict[str, Any]]]]:
+    """Every transformers model loaded by ``from_pretrained`` inside the block, with its loading
+    report (``output_loading_info``: ``missing_keys``, ``unexpected_keys``, ``mismatched_keys``).
+
+    A direct ``AutoModelFor….from_pretrained`` could ask for the report itself, but
+    ``SentenceTransformer`` loads its Transformer module's model inside and returns none: the
+    method every model class inherits asks for it while the block lasts (and returns what its
+    caller asked for)."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[Any, dict[str, Any]]] = []
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    load = original.__func__
+
+    @functools.wraps(load)
+    def reporting(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        asked = bool(kwargs.get("output_loading_info", False))
+        kwargs["output_loading_info"] = True
+        loaded = load(cls, *args, **kwargs)
+        if not (isinstance(loaded, tuple) and len(loaded) == 2):
+            return loaded  # a class of its own that gives no report
+        found.append(loaded)
+        return loaded if asked else loaded[0]
+
+    PreTrainedModel.from_pretrained = classmethod(reporting)  # type: ignore[method-assign,assignment]
+    try:
+        yield found
+    finally:
+        PreTrainedModel.from_pretrained = original  # type: ignore[method-assign]
+
+
+def check_loaded(
+    model: Any, info: Mapping[str, Any], folder: str, flag: str, *, without: str
+) -> list[str]:
+    """Refuse a loaded model whose body its weights did not fill: tensors missing from them, or
+    of another shape (``ignore_mismatched_sizes``), which transformers initializes at random and
+    only logs. Returns the tensors of a new task head the weights lack (a classifier or score
+    layer on a base model, a pooler; outside the base model), which training starts and
+    ``memfit predict`` refuses. ``without``: what the random tensors would do ("training would
+    start them from random weights")."""
+    mismatched = sorted(
+        (str(key), saved, wanted)
+        for key, saved, wanted in info.get("mismatched_keys") or ()
+        if not _in_head(model, str(key))
+    )
+    if mismatched:
+        raise UsageError(_mismatch_line(mismatched, folder, flag))
+    missing = sorted((str(k) for k in info.get("missing_keys") or ()), key=_natural)
+    body = [key for key in missing if not _in_head(model, key)]
+    if body:
+        total = len(model.state_dict()) if hasattr(model, "state_dict") else 0
+        of = f" of its {total}" if total >= len(body) else ""
+        shown = ", ".join(body[:2]) + (f" and {len(body) - 2} more" if len(body) > 2 else "")
+        raise UsageError(
+            f"{flag}: the weights in {folder} do not cover its config.json: {len(body)}{of} "
+            f"tensors are missing ({shown}), and {without} (are these another model's weights, "
+            "or was config.json edited after they were saved?)"
+        )
+    head = {str(key) for key, _, _ in info.get("mismatched_keys") or ()}
+    return sorted(head | set(missing), key=_natural)
+
+
+def _in_head(model: Any, key: str) -> bool:
+    """Whether ``key`` is a tensor of a task head on top of the base model (a classifier, an LM
+    or score layer, the pooler: a checkpoint saved for masked-LM has none), not of its body."""
+    if "pooler" in key.split("."):
+        return True
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix or getattr(model, "base_model", model) is model:
+        return False  # a bare model (sentence-transformers' encoder): all of it is body
+    return not key.startswith(prefix + ".")
+
+
+def _natural(key: str) -> list[Any]:
+    """Sort key: layer 2 before layer 10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def load_failure(exc: BaseException, folder: str, flag: str) -> str | None:
+    """The one line for a local model folder that failed to load (None: ``exc`` is no problem of
+    the folder's): weights a safe unpickling refuses, a folder that needs remote code or is not
+    a model transformers reads (its ``OSError``/``ValueError``), weights that do not fit the
+    config."""
+    pickled = _unsafe_pickle(exc)
+    if pickled is not None:
+        return (
+            f"{flag}: {_pickle_file(folder)} is a pickle that torch's safe loading refuses "
+            f"({pickled}): memfit does not unpickle it (that could run any code it holds); save "
+            "the weights as model.safetensors where they come from, if you trust that source"
+        )
+    if isinstance(exc, OSError | ValueError):
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        return f"{flag}: cannot load {folder}: {first}"
+    if isinstance(exc, RuntimeError):
+        return mismatch_message(exc, folder, flag)
+    return None
+
+
+def _unsafe_pickle(exc: BaseException) -> str | None:
+    """The reason of torch's ``weights_only`` unpickler, where it refused (also when wrapped)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, pickle.UnpicklingError):
+            # torch: "Weights only load failed. In PyTorch 2.6, …" then the reason on a line of
+            # its own ("Trying to load unsupported GLOBAL posix.system …", or "WeightsUnpickler
+            # error: Unsupported global: …"), then where the documentation is
+            lines = [x.strip() for x in str(current).splitlines() if x.strip()]
+            reasons = [x for x in lines[1:] if not x.startswith(_TORCH_ADVICE)]
+            reason = reasons[0] if reasons else (lines[0] if lines else type(current).__name__)
+            reason = reason.removeprefix("WeightsUnpickler error:").strip()
+            return reason.split(". ", 1)[0].rstrip(".")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+# the lines of torch's refusal that are advice, not the reason
+_TORCH_ADVICE = ("Check the documentation", "Please file an issue", "In PyTorch", "You can use")
+
+
+def _pickle_file(folder: str) -> str:
+    """The pickled weights file(s) of ``folder`` (the folder itself where it names none)."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return folder
+    found = _folder_config(path)
+    module = found.parent if found is not None else path
+    index = module / (PYTORCH_BIN + ".index.json")
+    if index.is_file():
+        return f"{index} (its shards)"
+    files = sorted(module.glob("*.bin"))
+    return str(files[0]) if len(files) == 1 else str(module)
 
 
 def _mismatched_keys(tb: TracebackType | None) -> list[tuple[str, Any, Any]]:
@@ -195,9 +351,12 @@ def _shape(shape: Any) -> str:
 
 __all__ = [
     "check_for_loader",
+    "check_loaded",
     "check_tokenizer",
     "check_weights",
+    "load_failure",
     "loads",
     "mismatch_message",
     "model_config",
+    "recorded_loads",
 ]

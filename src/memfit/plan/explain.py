@@ -23,7 +23,6 @@ from memfit.plan.planner import (
     Plan,
     Search,
     Space,
-    _divisors,
 )
 from memfit.units import format_bytes
 
@@ -138,7 +137,7 @@ def _parallel_lines(job: Search, c: Candidate) -> list[str]:
             f"gradients and optimizer state ({_gib(job.model_state(k, micro))}); gradients are "
             "all-reduced in place after the step's micro-batches."
         )
-    larger = [m for m in _divisors(job.per_rank) if m > micro]
+    larger = [m for m in job.micro_batches() if m > micro]
     if larger and not (job.in_batch_negatives and not c.mini_batch_size):
         nxt = larger[0]
         peak = job.peak(k, nxt)

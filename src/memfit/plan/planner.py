@@ -38,6 +38,7 @@ possible throughput (the whole per-rank batch at once) could beat the best found
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -67,7 +68,25 @@ if TYPE_CHECKING:
     from memfit.models import ModelSpec
 
 LEVERS = ("optimizer", "truncation", "lora", "quantization")  # --allow's, least harmful first
-__all__ = ["LEVERS", "LORA_RANK", "QLORA", "TIERS", "Candidate", "Levers", "Plan", "plan"]
+# the largest effective batch a plan takes: the micro-batches are its divisors, from its prime
+# factors, instant below it (Pollard's rho needs a few thousand steps for the hardest 18 digits)
+MAX_EFFECTIVE_BATCH = 10**18
+# the most one micro-batch (an in-batch-negatives loss: one rank's whole step) is tried with: no
+# device holds the activations of more, and the estimate's dims (rows × tokens × vocabulary,
+# rows × heads × tokens², rows²) stay far inside 64-bit integers below these
+MAX_MICRO_ROWS = 2**24
+MAX_MICRO_TOKENS = 2**32
+__all__ = [
+    "LEVERS",
+    "LORA_RANK",
+    "QLORA",
+    "TIERS",
+    "Candidate",
+    "Levers",
+    "Plan",
+    "plan",
+    "plan_problems",
+]
 
 
 # --- the search --------------------------------------------------------------------------------------
@@ -206,6 +225,13 @@ class Search:
             lora_rank=knobs.lora_rank,
         )
 
+    def micro_batches(self) -> list[int]:
+        """The micro-batches (mini-batches, for the cached loss) a plan tries, smallest first:
+        the divisors of the per-rank batch, up to :data:`MAX_MICRO_ROWS` rows and
+        :data:`MAX_MICRO_TOKENS` tokens."""
+        fits = [m for m in _divisors(self.per_rank) if _within(m, self.seq_len, self.columns)]
+        return fits or [1]
+
     def largest_fitting(self, knobs: Levers, micros: Sequence[int]) -> int | None:
         """The largest micro-batch (of the sorted ``micros``) whose peak fits, by bisection."""
         lo, hi, best = 0, len(micros) - 1, None
@@ -222,8 +248,81 @@ class Search:
         return best
 
 
+def _within(rows: int, seq_len: int, columns: int) -> bool:
+    """Whether a micro-batch of ``rows`` is one a plan may try (see :data:`MAX_MICRO_ROWS`)."""
+    return rows <= MAX_MICRO_ROWS and rows * seq_len * columns <= MAX_MICRO_TOKENS
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n`` (at least 1), smallest first, built from its prime factors: an
+    effective batch may be any number a user types (trying every number up to it took a minute
+    at 10^9 and hours at 10^10)."""
+    divisors = [1]
+    for prime, power in sorted(_prime_factors(n).items()):
+        divisors = [d * prime**k for d in divisors for k in range(power + 1)]
+    return sorted(divisors)
+
+
+# Miller–Rabin with these bases is exact below 3.3·10^24 (every batch the planner accepts)
+_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    for p in _WITNESSES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _WITNESSES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _some_factor(n: int) -> int:
+    """A factor of the odd composite ``n`` other than 1 and ``n`` (Pollard's rho, Brent's cycle
+    search): about n^¼ steps, milliseconds for the 18-digit numbers trial division cannot do."""
+    for c in range(1, n):
+        x = y = 2
+        power = length = 1
+        factor = 1
+        while factor == 1:
+            if power == length:  # Brent: restart the tortoise at the hare every power of two
+                x, power, length = y, power * 2, 0
+            y = (y * y + c) % n
+            length += 1
+            factor = math.gcd(abs(x - y), n)
+        if factor != n:
+            return factor
+    raise AssertionError(f"no factor of {n} found")  # never: n is composite
+
+
+def _prime_factors(n: int) -> dict[int, int]:
+    """``n``'s prime factorization, ``{prime: power}`` (``{}`` for 1)."""
+    factors: dict[int, int] = {}
+    for p in (2, 3, 5, 7, 11, 13):  # the small primes batch sizes are made of, at once
+        while n % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            n //= p
+    pending = [n] if n > 1 else []
+    while pending:
+        m = pending.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+        else:
+            f = _some_factor(m)
+            pending += [f, m // f]
+    return factors
 
 
 def _truncations(seq_len: int, profile: DataProfile | None) -> list[int]:
@@ -440,6 +539,72 @@ def _space(
     )
 
 
+def plan_problems(
+    model: str,
+    *,
+    task: str,
+    seq_len: int,
+    effective_batch_size: int,
+    gpu_memory: int | str | None = None,
+    loss: str | None = None,
+    num_labels: int = 2,
+    lora_rank: int | None = None,
+    quantization: str | None = None,
+    double_quant: bool | None = None,
+) -> list[str]:
+    """Every problem :func:`plan` would refuse these arguments (``memfit plan``'s flags) with,
+    one line each naming its flag; empty when it accepts them. For those that print a
+    ``memfit plan`` command (``memfit doctor``): memfit never prints a command it refuses.
+    Packages this machine lacks are not the command's problem and are left out."""
+    job = Job(
+        model=model,
+        task=task,
+        seq_len=seq_len,
+        effective_batch_size=effective_batch_size,
+        num_labels=num_labels,
+        loss=loss,
+        lora_rank=lora_rank,
+        quantization=quantization,
+        double_quant=double_quant,
+    )
+    problems, _, _, _ = _problems(
+        job,
+        [],
+        safety_margin=0.05,
+        gpu_memory=gpu_memory,
+        gpu=None,
+        trace_depth="auto",
+        packages=False,
+    )
+    return problems
+
+
+def _batch_problems(job: Job) -> list[str]:
+    """An effective batch too large to plan: beyond :data:`MAX_EFFECTIVE_BATCH`, or (an
+    in-batch-negatives loss, which holds a rank's whole step at once) a step per rank beyond
+    what one micro-batch may hold."""
+    effective, world = job.effective_batch_size, job.world_size or 1
+    if not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (effective, world)
+    ):
+        return []  # Job.problems names them
+    if effective > MAX_EFFECTIVE_BATCH:
+        return [
+            f"--effective-batch-size: at most 10^18 samples per optimizer step, got {effective}"
+        ]
+    per_rank = effective // world
+    columns = 2 if job.task == "sentence-embedding" else 1
+    loss = job.resolved_loss if job.task == "sentence-embedding" else None
+    seq_len = job.seq_len if isinstance(job.seq_len, int) and job.seq_len >= 1 else 1
+    if loss in IN_BATCH_NEGATIVE_LOSSES and not _within(per_rank, seq_len, columns):
+        return [
+            f"--effective-batch-size: {per_rank} pairs per GPU in one step; the in-batch-negatives "
+            f"loss {loss} holds them all at once, so at most {MAX_MICRO_ROWS} pairs and "
+            f"{MAX_MICRO_TOKENS} tokens per GPU can be planned"
+        ]
+    return []
+
+
 def _validate(
     job: Job,
     allowed: Sequence[str],
@@ -452,9 +617,36 @@ def _validate(
     """Every problem with the input at once, as one :class:`UsageError`: the job's knobs
     (:meth:`memfit.job.Job.problems`), then the plan's own (margin, levers, budget, GPU, model,
     trace depth). Returns the model, the ``--gpu-memory`` budget and the ``--gpu`` card."""
+    problems, model_spec, budget, card = _problems(
+        job,
+        allowed,
+        safety_margin=safety_margin,
+        gpu_memory=gpu_memory,
+        gpu=gpu,
+        trace_depth=trace_depth,
+    )
+    if problems:
+        raise UsageError("; ".join(problems))
+    assert model_spec is not None
+    return model_spec, budget, card
+
+
+def _problems(
+    job: Job,
+    allowed: Sequence[str],
+    *,
+    safety_margin: float,
+    gpu_memory: int | str | None,
+    gpu: str | None,
+    trace_depth: str,
+    packages: bool = True,
+) -> tuple[list[str], ModelSpec | None, int | None, Gpu | None]:
+    """:func:`_validate`'s problems (``packages``: with those of packages not installed), the
+    model, the budget and the card, without raising."""
     from memfit.models import resolve_model
 
     problems = job.problems()
+    problems += _batch_problems(job)
     if not isinstance(safety_margin, int | float) or not 0 <= safety_margin < 1:
         problems.append(f"--safety-margin: must be in [0, 1), got {safety_margin!r}")
     for lever in allowed:
@@ -466,7 +658,7 @@ def _validate(
             "--allow quantization: quantized base weights are frozen, so it needs LoRA adapters "
             "(QLoRA); allow both (--allow lora,quantization) or give --lora-rank R"
         )
-    if job.lora_rank or "lora" in allowed:
+    if packages and (job.lora_rank or "lora" in allowed):
         # LoRA candidates are estimated with peft's adapters on the model
         flag = "--lora-rank" if job.lora_rank else "--allow lora"
         problems.extend(missing_packages([("peft", flag)]))
@@ -494,10 +686,7 @@ def _validate(
         positions = model_spec.max_positions
         late.insert(0, positions_problem("--seq-len", job.seq_len, positions, model_spec.name))
     problems += [p for p in late if p]
-    if problems:
-        raise UsageError("; ".join(problems))
-    assert model_spec is not None
-    return model_spec, budget, card
+    return problems, model_spec, budget, card
 
 
 def _resolve_budget(
@@ -564,7 +753,7 @@ def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candid
     then with one; a round that fits ends the search."""
     per_rank = search.per_rank
     combos = space.combos()
-    micros = _divisors(per_rank)
+    micros = search.micro_batches()
     evaluated: list[Candidate] = []
     # the least any allowed configuration needs: when even that is over, skip the search
     min_required, _ = _min_required(search, space)

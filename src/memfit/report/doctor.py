@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
 from memfit.job import CACHED_LOSSES, IN_BATCH_NEGATIVE_LOSSES, Job, resolve_loss
+from memfit.report import run_files
 from memfit.report.doctor_cures import Fix, cures, gpu_of, loss_of
 from memfit.report.events import agreed_events
-from memfit.report.oom_message import KIND_TITLES, OomReport, parse_oom
+from memfit.report.oom_message import HUGE_REQUEST, KIND_TITLES, OomReport, parse_oom
 from memfit.report.shapes import run_width
 from memfit.units import format_bytes, size_arg
 
@@ -47,7 +49,8 @@ def failed_job(
     ``memfit doctor --batch-size`` and ``memfit estimate`` name it); the effective batch is the
     micro-batch's accumulation when not given. ``knobs``: the other :class:`~memfit.job.Job`
     fields."""
-    accumulation = gradient_accumulation_steps or 1
+    # None: not given (no accumulation); 0 stays 0, for the job's checks to refuse
+    accumulation = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
     return FailedJob(
         micro_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
@@ -231,6 +234,14 @@ def explain(report: OomReport) -> list[str]:
             f"a memory fraction limits this process to {fb(report.allowed_bytes)} "
             "(torch.cuda.set_per_process_memory_fraction)"
         )
+    if report.impossible:
+        device = any(reason != HUGE_REQUEST for reason in report.impossible)
+        lines.append(
+            "the message's figures cannot be true ("
+            + "; ".join(report.impossible)
+            + "): a garbled or edited message; "
+            + ("none of the device's figures is used" if device else "the request is not used")
+        )
     if report.derived:
         lines.append(
             "computed from the message's other numbers, not printed in it: "
@@ -322,23 +333,61 @@ def diagnose(
 
 
 def _plan_fix(report: OomReport, knobs: Job | None) -> Fix:
-    """The command that searches every lever at once for this budget."""
-    parts = ["memfit plan", knobs.model if knobs else "MODEL"]
-    parts += ["--task", knobs.task if knobs else "TASK"]
-    parts += ["--effective-batch-size", str(knobs.effective_batch_size) if knobs else "N"]
-    parts += ["--seq-len", str(knobs.seq_len) if knobs else "LEN"]
-    if knobs is not None and knobs.task == "sentence-embedding" and knobs.loss is not None:
-        parts += ["--loss", loss_of(knobs)]
-    if knobs is not None and knobs.task == "classification" and (knobs.num_labels or 2) != 2:
-        parts += ["--num-labels", str(knobs.num_labels)]
-    if knobs is not None and knobs.lora_rank:
-        parts += ["--lora-rank", str(knobs.lora_rank)]  # the job's own: the plan keeps them
-    if knobs is not None and knobs.quantization not in (None, "none"):
-        parts += ["--quantization", knobs.quantization]
-        parts += ["--double-quant"] if knobs.double_quant else []
+    """The command that searches every lever at once for this budget.
+
+    A value ``memfit plan`` would refuse (a run folder's edited ``run.json``, a message's
+    impossible capacity) is printed as its placeholder (``N``, ``--gpu NAME``) instead: memfit
+    never prints a command it refuses."""
     budget = report.capacity_bytes
-    if budget is not None:
-        parts += ["--gpu-memory", size_arg(budget)]
+    gpu_memory = size_arg(budget) if budget is not None and budget > 0 else None
+    refused: list[str] = []
+    if knobs is not None:
+        from memfit.plan.planner import plan_problems
+
+        try:
+            refused = plan_problems(
+                knobs.model,
+                task=knobs.task,
+                seq_len=knobs.seq_len or 0,
+                effective_batch_size=knobs.effective_batch_size,
+                gpu_memory=gpu_memory,
+                loss=loss_of(knobs) if knobs.task == "sentence-embedding" else None,
+                num_labels=knobs.num_labels or 2,
+                lora_rank=knobs.lora_rank,
+                quantization=knobs.quantization,
+                double_quant=knobs.double_quant,
+            )
+        except Exception:  # the command is advice: unchecked, it is all placeholders
+            knobs = None
+
+    def value(flag: str, given: Any, placeholder: str) -> str:
+        """``given`` as the command's value of ``flag``, or the placeholder where plan refuses it."""
+        if knobs is None or any(p.startswith((f"{flag}:", f"{flag} ")) for p in refused):
+            return placeholder
+        return str(given)
+
+    # a problem that names no flag is the model's (it cannot be read, memfit does not know it)
+    model_refused = knobs is None or any(not p.startswith("--") for p in refused)
+    # quoted: a model folder's path may hold spaces or a shell's special characters
+    parts = ["memfit plan", "MODEL" if model_refused or knobs is None else shlex.quote(knobs.model)]
+    parts += ["--task", value("--task", knobs.task if knobs else None, "TASK")]
+    parts += [
+        "--effective-batch-size",
+        value("--effective-batch-size", knobs.effective_batch_size if knobs else None, "N"),
+    ]
+    parts += ["--seq-len", value("--seq-len", knobs.seq_len if knobs else None, "LEN")]
+    if knobs is not None and knobs.task == "sentence-embedding" and knobs.loss is not None:
+        parts += ["--loss", value("--loss", loss_of(knobs), "LOSS")]
+    if knobs is not None and knobs.task == "classification" and (knobs.num_labels or 2) != 2:
+        parts += ["--num-labels", value("--num-labels", knobs.num_labels, "K")]
+    if knobs is not None and knobs.lora_rank:
+        # the job's own: the plan keeps them
+        parts += ["--lora-rank", value("--lora-rank", knobs.lora_rank, "R")]
+    if knobs is not None and knobs.quantization not in (None, "none"):
+        parts += ["--quantization", value("--quantization", knobs.quantization, "KIND")]
+        parts += ["--double-quant"] if knobs.double_quant else []
+    if gpu_memory is not None and not any(p.startswith("--gpu-memory") for p in refused):
+        parts += ["--gpu-memory", gpu_memory]
     else:
         parts += ["--gpu", "NAME"]
     return Fix(
@@ -387,19 +436,13 @@ def from_file(path: str, *, knobs: Job | None = None) -> Diagnosis:
     return from_text(text, flag=f"--file {path}", knobs=knobs, source=f"file {path}")
 
 
-def _read_events(path: Path) -> list[dict[str, Any]]:
-    events = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-        if isinstance(event, dict):
-            events.append(event)
+def _read_events(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The events memfit train wrote (:mod:`memfit.report.run_files`) and a note naming the lines
+    left out (half a line from a run killed mid-write, an edited field)."""
+    found = run_files.read_jsonl(path, "events")
+    notes = [run_files.skipped_note(path, found.bad)] if found.bad else []
     # several ranks log each agreed back-off once each: keep one
-    return agreed_events(events)
+    return agreed_events(found.rows), notes
 
 
 def knobs_from_run(
@@ -526,11 +569,12 @@ def from_run_dir(path: str) -> Diagnosis:
         raise UsageError(
             f"RUN_DIR: {path} has no events.jsonl; is it a memfit train output folder?"
         )
-    events = _read_events(events_file)
+    events, notes = _read_events(events_file)
     ooms = [e for e in events if e.get("type") == "oom"]
     if not ooms:
+        left_out = f"; {notes[0]}" if notes else ""
         raise UsageError(
-            f"RUN_DIR: {_NO_OOM}s of {events_file} (the run had no out-of-memory event)"
+            f"RUN_DIR: {_NO_OOM}s of {events_file} (the run had no out-of-memory event)" + left_out
         )
     last = ooms[-1]
     report = parse_oom(str(last.get("error") or "")) or OomReport(
@@ -540,14 +584,17 @@ def from_run_dir(path: str) -> Diagnosis:
     run_file = folder / "run.json"
     if run_file.is_file():
         try:
-            run = json.loads(run_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{run_file}: not JSON ({exc.msg})") from None
+            run, run_notes = run_files.read_run_json(run_file)
+        except (ValueError, UnicodeDecodeError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise UsageError(f"{run_file}: not JSON ({reason})") from None
+        notes += run_notes
     knobs = knobs_from_run(run, last.get("micro_batch_size"), events) if run else None
     in_batch = knobs is not None and loss_of(knobs) in IN_BATCH_NEGATIVE_LOSSES
     # newer run folders name what the guard lowered on each event
     in_batch = in_batch or any(e.get("what") == "mini_batch" for e in ooms)
     context = [f"{len(ooms)} out-of-memory event{'s' if len(ooms) != 1 else ''} in {events_file}"]
+    context += notes
     context += _guard_lines(events, last, knobs, in_batch)
     if not run:
         context.append(f"saves_bytes unknown: {folder} has no run.json")

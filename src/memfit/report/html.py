@@ -11,15 +11,17 @@ import html
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
 from memfit.job import OPTIMIZERS
+from memfit.report import run_files
 from memfit.report.console import PART_LABELS
 from memfit.report.events import agreed_events
+from memfit.report.run_files import MAX_BYTES
 from memfit.report.shapes import positive_int, run_width
 from memfit.units import format_bytes
 
@@ -29,7 +31,9 @@ _LISTED_EVENTS = ("probe", "oom", "backoff", "grow", "resume", "stop")
 
 
 def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The run folder's metrics, events and run.json; a usage error if it is not a run folder."""
+    """The run folder's metrics, events and run.json, every field the page reads checked
+    (:mod:`memfit.report.run_files`): lines that are not what memfit train writes are skipped,
+    and ``notes`` names each file and line left out; a usage error if it is not a run folder."""
     folder = Path(run_dir)
     if not folder.is_dir():
         raise UsageError(
@@ -40,47 +44,33 @@ def read_run(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise UsageError(
             f"RUN_DIR: {folder} has no metrics.jsonl; is it the --output-dir of a memfit train run?"
         )
-    metrics, bad_metrics = _read_jsonl(metrics_file)
+    notes: list[str] = []
+    found = run_files.read_jsonl(metrics_file, "metrics")
+    metrics, skipped = found.rows, len(found.bad)
+    if found.bad:
+        notes.append(run_files.skipped_note(metrics_file, found.bad))
     events: list[dict[str, Any]] = []
-    bad_events = 0
     if (folder / "events.jsonl").is_file():
-        events, bad_events = _read_jsonl(folder / "events.jsonl")
+        found = run_files.read_jsonl(folder / "events.jsonl", "events")
         # several ranks log each agreed back-off once each: keep one
-        events = agreed_events(events)
+        events, skipped = agreed_events(found.rows), skipped + len(found.bad)
+        if found.bad:
+            notes.append(run_files.skipped_note(folder / "events.jsonl", found.bad))
     run: dict[str, Any] = {}
     if (folder / "run.json").is_file():
         try:
-            loaded = json.loads((folder / "run.json").read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            run, run_notes = run_files.read_run_json(folder / "run.json")
+        except (ValueError, UnicodeDecodeError) as exc:
             raise UsageError(f"RUN_DIR: {folder / 'run.json'} is not JSON: {exc}") from None
-        if isinstance(loaded, dict):
-            run = loaded
+        notes += run_notes
     return {
         "folder": folder,
         "metrics": metrics,
         "events": events,
         "run": run,
-        "skipped_lines": bad_metrics + bad_events,
+        "skipped_lines": skipped,
+        "notes": notes,
     }
-
-
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    # a run killed mid-write leaves a half line at the end: skip what does not parse, count it
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
 
 
 def budget_of(run: Mapping[str, Any]) -> tuple[int | None, str]:
@@ -374,15 +364,24 @@ def measured_at(
     )
 
 
-def write_report(run_dir: str | os.PathLike[str], *, estimate: bool = True) -> Path:
+def write_report(
+    run_dir: str | os.PathLike[str],
+    *,
+    estimate: bool = True,
+    on_note: Callable[[str], object] | None = None,
+) -> Path:
     """Write ``RUN_DIR/report.html`` and ``memory.png``, ``breakdown.png``, ``training.png``.
 
     ``estimate=False`` skips asking ``memfit.estimate`` (run.json's recorded estimate is still
-    shown). Returns the path of the page.
+    shown). ``on_note`` receives each line about what of the run files was left out (the page
+    says it too). Returns the path of the page.
     """
     from memfit.report import plots
 
     found = read_run(run_dir)
+    for note in found["notes"]:
+        if on_note is not None:
+            on_note(note)
     folder: Path = found["folder"]
     metrics, events, run = found["metrics"], found["events"], found["run"]
     steps = plots.train_lines(metrics)
@@ -450,6 +449,7 @@ def write_report(run_dir: str | os.PathLike[str], *, estimate: bool = True) -> P
         predicted=predicted,
         estimate_note=estimate_note,
         skipped_lines=found["skipped_lines"],
+        notes=found["notes"],
         measure=measure,
         comparison_text=compared,
     )
@@ -478,10 +478,15 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _sized(value: Any) -> bool:
+    """A whole number of bytes the page can show as a size (not a count beyond any memory)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BYTES
+
+
 def _cell(key: str, value: Any) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and key.endswith("bytes"):
+    if _sized(value) and key.endswith("bytes"):
         return f'<td class="num">{_e(format_bytes(value))} <span class="note">({value:,} B)</span></td>'
-    if key in ("memory_cap", "gpu_memory") and isinstance(value, int):
+    if key in ("memory_cap", "gpu_memory") and _sized(value):
         return f'<td class="num">{_e(format_bytes(value))}</td>'
     if isinstance(value, dict | list):
         return f"<td><code>{_e(json.dumps(value))}</code></td>"
@@ -594,6 +599,7 @@ def render_html(
     estimate_note: str,
     skipped_lines: int = 0,
     measure: Measure | None = None,
+    notes: Sequence[str] = (),
     comparison_text: str = "",
 ) -> str:
     """The page: a summary, the three plots, the events, the estimate, the plan and the config."""
@@ -620,7 +626,7 @@ def render_html(
         ("back-offs / grows", f"{counts['backoff']} / {counts['grow']}"),
     ]
     if predicted:
-        total = format_bytes(int(predicted.get("total_bytes", 0)))
+        total = format_bytes(int(predicted.get("total_bytes") or 0))
         cards.insert(6, (_estimate_label(measure), total))
     summary = "".join(f'<div class="card">{_e(k)}<b>{_e(v)}</b></div>' for k, v in cards)
     reserved = [m["reserved_bytes"] for m in steps if isinstance(m.get("reserved_bytes"), int)]
@@ -631,11 +637,13 @@ def render_html(
     plan_rows: dict[str, Any] = {k: v for k, v in planned.items() if k != "plan"}
     plan_rows.update({f"plan.{k}": v for k, v in (planned.get("plan") or {}).items()})
     skipped = (
-        f'<p class="note">{skipped_lines} line(s) of metrics.jsonl / events.jsonl did not parse '
-        "(a run stopped mid-write) and were skipped.</p>"
+        f'<p class="note">{skipped_lines} line(s) of metrics.jsonl / events.jsonl were skipped: '
+        "half a line of a run stopped mid-write, or fields memfit train does not write.</p>"
         if skipped_lines
         else ""
     )
+    # what of the run files was left out, file and line (and run.json's fields)
+    skipped += "".join(f'<p class="note">{_e(note)}</p>' for note in notes)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 # every unit of PyTorch's OOM messages is binary (see the module docstring)
 _UNITS = {
@@ -84,8 +85,13 @@ _NUMERIC_KEYS = (
 
 
 def parse_size_text(number: str, unit: str) -> int:
-    """``("10.21", "GiB")`` → bytes, rounded to the nearest byte."""
-    return round(float(number) * _UNITS[unit.lower()])
+    """``("10.21", "GiB")`` → bytes, rounded to the nearest byte.
+
+    Exact decimal arithmetic: a float overflows on a figure of a few hundred digits (a garbled or
+    tampered message), and two decimals of a binary unit never fall on a half byte, so the
+    rounding is that of the float product on every figure PyTorch prints.
+    """
+    return round(Decimal(number) * _UNITS[unit.lower()])
 
 
 def _size(pattern: str, text: str) -> int | None:
@@ -116,6 +122,9 @@ class OomReport:
     other_bytes: int | None = None  # MPS "other allocations"
     allowed_bytes: int | None = None  # a memory fraction's limit
     derived: list[str] = field(default_factory=list)
+    # what made the message's device figures impossible (a capacity of 0, more free than the
+    # whole device, ...): they are then all None, as if the message had not given them
+    impossible: list[str] = field(default_factory=list)
 
     def numbers(self) -> dict[str, int | None]:
         return {key: getattr(self, key) for key in _NUMERIC_KEYS}
@@ -141,6 +150,12 @@ def parse_oom(text: str) -> OomReport | None:
     message = find_oom_message(text)
     if message is None:
         return None
+    report = _parse(message)
+    _drop_impossible(report)
+    return report
+
+
+def _parse(message: str) -> OomReport:
     lowered = message.lower()
     if lowered.startswith("cuda out of memory"):
         return _parse_cuda(message)
@@ -152,7 +167,7 @@ def parse_oom(text: str) -> OomReport | None:
         requested = _size(r"you tried to allocate {SIZE}", message)
         if requested is None:  # the bare byte count, without a unit word
             match = re.search(r"you tried to allocate (\d+)", message)
-            requested = int(match.group(1)) if match else None
+            requested = round(Decimal(match.group(1))) if match else None
         return OomReport(kind="cpu", message=message, requested_bytes=requested)
     return OomReport(
         kind="memfit-cap",
@@ -166,7 +181,7 @@ def parse_oom(text: str) -> OomReport | None:
 def _parse_cuda(message: str) -> OomReport:
     report = OomReport(kind="cuda-old", message=message)
     report.requested_bytes = _size(r"Tried to allocate {SIZE}", message)
-    gpu = re.search(r"GPU (\d+)", message)
+    gpu = re.search(r"GPU (\d{1,9})\b", message)  # a device index, not a garbled number
     report.gpu = int(gpu.group(1)) if gpu else None
     report.allowed_bytes = _size(r"{SIZE} allowed", message)
     if re.search(r"has a total capac", message, re.IGNORECASE):
@@ -224,3 +239,89 @@ def _parse_mps(message: str) -> OomReport:
         )
         report.derived.append("free_bytes")
     return report
+
+
+# the most memory any one device has (the largest GPUs hold a few hundred GiB; a Mac's unified
+# memory under 1 TiB): a capacity above it is a garbled or tampered message's
+MAX_DEVICE_BYTES = 2**50
+# more than a 64-bit allocator can ask for or count: no figure of a real message is larger
+MAX_FIGURE = 2**64
+# the note on a request past MAX_FIGURE (dropped alone: the device's figures may still hold)
+HUGE_REQUEST = "a request of more than 2^64 bytes"
+# two printed decimals of a GiB: figures that should add up may be off by this much each
+_SLACK = 2**30 // 100 * 2
+# the figures of the device and of PyTorch's cache (not the request: one tensor may well ask
+# for more than the device has, and the doctor says so)
+_DEVICE_KEYS = (
+    "capacity_bytes",
+    "free_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "reserved_unallocated_bytes",
+    "process_bytes",
+    "other_processes_bytes",
+    "other_bytes",
+    "allowed_bytes",
+)
+
+
+def _drop_impossible(report: OomReport) -> None:
+    """Set every device figure of ``report`` to None when they cannot be true together (a
+    capacity of 0 or of more than any device, more free than the capacity, more reserved than
+    the capacity, more allocated than reserved), and any figure beyond 2^64 bytes, and say why
+    in ``report.impossible``: a fix computed from them (``memfit plan --gpu-memory 0``) would
+    be as wrong as they are."""
+    from memfit.units import format_bytes
+
+    fb = format_bytes
+    if report.requested_bytes is not None and report.requested_bytes > MAX_FIGURE:
+        # no allocator asks for it: the request alone is dropped (the device's figures may hold)
+        report.impossible.append(HUGE_REQUEST)
+        report.requested_bytes = None
+    huge = {key for key in _DEVICE_KEYS if (getattr(report, key) or 0) > MAX_FIGURE}
+    found = [
+        f"a {key.removesuffix('_bytes').replace('_', ' ')} figure of more than 2^64 bytes"
+        for key in _DEVICE_KEYS
+        if key in huge
+    ]
+    cap, free = report.capacity_bytes, report.free_bytes
+    reserved, allocated = report.reserved_bytes, report.allocated_bytes
+    noun = {"mps": "limit", "memfit-cap": "cap"}.get(report.kind, "capacity")
+    # (figures past 2^64 are not compared: they are dropped with the rest below)
+    if cap is not None and "capacity_bytes" not in huge:
+        if cap <= 0:
+            found.append(f"a {noun} of {fb(cap)}")
+        elif cap > MAX_DEVICE_BYTES:
+            found.append(f"a {noun} of {fb(cap)}, more than any device has")
+        elif report.kind != "memfit-cap":  # a cap is there to be passed
+            for key, label in (
+                ("free_bytes", "free"),
+                ("reserved_bytes", "reserved by PyTorch"),
+                ("process_bytes", "in use by this process"),
+                ("allowed_bytes", "allowed"),
+            ):
+                value = getattr(report, key)
+                if value is not None and key not in huge and value > cap + _SLACK:
+                    found.append(f"{fb(value)} {label} of a {noun} of {fb(cap)}")
+            # what PyTorch holds is not free
+            if (
+                not found
+                and free is not None
+                and reserved is not None
+                and free + reserved > cap + 2 * _SLACK
+            ):  # (a figure past 2^64 is in found already)
+                found.append(f"{fb(free)} free and {fb(reserved)} reserved of {fb(cap)}")
+    if (
+        not found  # (nor past 2^64)
+        and report.kind == "cuda-old"
+        and reserved is not None
+        and allocated is not None
+        and allocated > reserved + _SLACK
+    ):
+        found.append(f"{fb(allocated)} allocated of {fb(reserved)} reserved")
+    if not found:
+        return
+    report.impossible += found
+    for key in _DEVICE_KEYS:
+        setattr(report, key, None)
+    report.derived = []

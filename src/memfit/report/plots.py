@@ -655,6 +655,16 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     return target
 
 
+# each format's writer field names memfit, and memfit knows a picture of its own by those bytes
+# (memfit.paths.destination_problems: a later --plot replaces it without --overwrite)
+PLOT_METADATA = {
+    "png": {"Software": "memfit"},
+    "svg": {"Creator": "memfit"},
+    "pdf": {"Creator": "memfit"},
+}
+PLOT_MARKS = (b"tEXtSoftware\x00memfit", b"<dc:title>memfit</dc:title>", b"/Creator (memfit)")
+
+
 def save_figure(fig: Figure, path: str | os.PathLike[str], *, flag: str = "FILE") -> Path:
     """Save as PNG, SVG or PDF (by the suffix), atomically; a missing folder is a usage error."""
     target = Path(path)
@@ -665,5 +675,5 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, flag: str = "FILE"
     if not target.parent.is_dir():
         raise UsageError(f"{flag}: the folder {target.parent} does not exist; create it first")
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=fmt, dpi=100)
+    fig.savefig(buffer, format=fmt, dpi=100, metadata=PLOT_METADATA[fmt])
     return write_atomic(target, buffer.getvalue())

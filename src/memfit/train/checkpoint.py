@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -247,6 +248,84 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def model_signature(model: nn.Module, name: str) -> dict[str, Any]:
+    """What a checkpoint's weights must fit, recorded in it (``model`` in its trainer state): the
+    model's class and a digest of its parameters' names, shapes and whether each is trained (the
+    optimizer state follows them). Taken before any sharding (the same on any number of ranks);
+    dtypes are left out (a resume may change --precision). ``name``: the --model it was loaded
+    from, to name it in a refusal."""
+    digest = hashlib.sha256()
+    count = 0
+    for key, param in model.named_parameters():
+        digest.update(f"{key}:{tuple(param.shape)}:{int(param.requires_grad)};".encode())
+        count += 1
+    return {
+        "name": name,
+        "class": type(model).__name__,
+        "parameters": count,
+        "digest": digest.hexdigest()[:32],
+    }
+
+
+def state_problem(
+    state: Any, number: int, rows: int | None = None, per_step: int | None = None
+) -> str | None:
+    """Why the trainer state of checkpoint ``step-{number}`` is not one memfit wrote, or None.
+
+    Its counts must be counts and agree with each other: the step with the folder's name, and
+    (given the run's ``rows`` and rows per step, which a resume has checked are the checkpoint's)
+    the position within the epoch, the samples seen and the step with the epoch and position. A
+    state that verifies against its manifest and still fails was edited after it was written.
+    """
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} is not a JSON object"
+    counts = {}
+    for key in ("step", "epoch", "position", "samples_seen"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{STATE_FILE}: {key} is {value!r}, not a count"
+        counts[key] = value
+    step, epoch, position = counts["step"], counts["epoch"], counts["position"]
+    if step != number:
+        return f"{STATE_FILE}: step {step} in the checkpoint of step {number}"
+    best = state.get("best")
+    if best is not None and (
+        isinstance(best, bool) or not isinstance(best, int | float) or not math.isfinite(best)
+    ):
+        return f"{STATE_FILE}: best is {best!r}, not a finite metric"
+    if rows is None or per_step is None or rows <= 0 or per_step <= 0:
+        return None
+    # each step takes the next per_step rows of its epoch's order (the last one what is left);
+    # an epoch ends at position == rows
+    if position > rows:
+        return f"{STATE_FILE}: position {position} is past the {rows} training rows"
+    if counts["samples_seen"] != epoch * rows + position:
+        return (
+            f"{STATE_FILE}: samples_seen {counts['samples_seen']} is not {epoch} epochs of "
+            f"{rows} rows and {position}"
+        )
+    if step != epoch * math.ceil(rows / per_step) + math.ceil(position / per_step):
+        return f"{STATE_FILE}: step {step} is not where epoch {epoch}, position {position} is"
+    return None
+
+
+def weights_problem(path: Path) -> str | None:
+    """Why the weights of checkpoint ``path`` cannot be trained on, or None: a tensor that holds
+    NaN or inf (the next step's loss would be NaN, whatever --lr). Read one tensor at a time."""
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            tensor = handle.get_tensor(name)
+            if not tensor.is_floating_point():
+                continue
+            try:
+                finite = bool(torch.isfinite(tensor).all())
+            except (RuntimeError, TypeError):  # a dtype isfinite does not take (float8)
+                continue
+            if not finite:
+                return f"its weights are not finite (NaN or inf in {name})"
+    return None
+
+
 def read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's trainer state (step, position, the settings of the run that wrote it)."""
     state: dict[str, Any] = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
@@ -265,12 +344,13 @@ def completed_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
-def set_aside(path: Path) -> Path:
-    """Move a damaged checkpoint out of the ones a resume (or ``keep``) counts: it would be
-    taken as the newest and push good ones out. Kept as ``.damaged-step-N`` to look at."""
-    aside = path.with_name(f".damaged-{path.name}")
+def set_aside(path: Path, why: str = "damaged") -> Path:
+    """Move a damaged checkpoint (or one no resume may take) out of the ones a resume (or
+    ``keep``) counts: it would be taken as the newest and push good ones out. Kept as
+    ``.damaged-step-N`` (``why``: ``.not-finite-step-N``) to look at."""
+    aside = path.with_name(f".{why}-{path.name}")
     if aside.exists():
-        aside = path.with_name(f".damaged-{path.name}-{os.getpid()}")
+        aside = path.with_name(f".{why}-{path.name}-{os.getpid()}")
     try:
         os.rename(path, aside)
     except OSError:

@@ -23,16 +23,25 @@ import torch
 
 from memfit.data.batching import length_grouped_order
 from memfit.data.rows import Row
-from memfit.errors import NothingFitsError, TrainingStoppedError
+from memfit.errors import NothingFitsError, TrainingStoppedError, UsageError
 from memfit.guard.oom import CatchOom
 from memfit.guard.policy import optimizer_stop
 from memfit.train import checkpoint as ck
+from memfit.train import runfolder
 from memfit.train.config import TrainResult
 from memfit.train.console import Progress, say
 from memfit.train.distributed import shard_rows
 from memfit.train.memory import PeakMemory, snapshot_writer
 from memfit.train.optim import rescale_lr
-from memfit.train.resume import pick_checkpoint, refuse_changed, truncate_metrics
+from memfit.train.resume import (
+    changed_settings,
+    misfit,
+    other_model,
+    pick_checkpoint,
+    refuse_changed,
+    refuse_other_model,
+    truncate_metrics,
+)
 from memfit.train.setup import RunSetup, next_cure, take, versions
 
 
@@ -47,17 +56,22 @@ class TrainingRun(RunSetup):
         or from the start; the killed run's metrics after it are dropped."""
         cfg, ranks = self.cfg, self.ranks
         picked: tuple[Path, dict[str, Any]] | None = None
+        # a finished run resumed to write its missing model/ again: its result, for finish()
+        self.previous_result = runfolder.finished(self.out) if cfg.resume else None
         if cfg.resume and ranks is None:
-            picked = pick_checkpoint(self.ckpt_dir, self.load, self.skip)
+            picked = pick_checkpoint(self.ckpt_dir, self.load, self.skip, self.check)
         elif cfg.resume and ranks is not None:
             # rank 0 verifies the checkpoints; every rank loads the one it picked
-            found = pick_checkpoint(self.ckpt_dir, None, self.skip) if self.main else None
+            found = (
+                pick_checkpoint(self.ckpt_dir, None, self.skip, self.check) if self.main else None
+            )
             chosen = ranks.broadcast_object(found[0] if found is not None else None)
             picked = (chosen, self.load(chosen)) if chosen is not None else None
         if picked is not None:
             resume_from, state = picked
             self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
             self.samples_seen, self.best = state["samples_seen"], state.get("best")
+            self.resumed_at = self.step
             self.on_event(
                 {
                     "type": "resume",
@@ -81,20 +95,54 @@ class TrainingRun(RunSetup):
             # the killed run's lines after its checkpoint are redone: drop them before appending
             truncate_metrics(self.out / "metrics.jsonl", self.step)
 
+    def check(self, path: Path, state: dict[str, Any]) -> str | None:
+        """What is wrong with a checkpoint that verifies (passed over, set aside), or None: a
+        trainer state memfit did not write (counts out of range or at odds with each other), or
+        weights that are not finite (resumed from, the next step's loss is NaN again, whatever
+        --lr). One of other settings or another model is not damaged: :meth:`load` refuses it."""
+        if isinstance(state, dict) and (
+            changed_settings(state.get("settings"), self.settings)
+            or other_model(state.get("model"), self.model_signature)
+        ):
+            return None
+        number = int(path.name.removeprefix("step-"))
+        problem = ck.state_problem(state, number, self.rows_n, self.per_step)
+        return problem if problem is not None else ck.weights_problem(path)
+
     def load(self, path: Path) -> dict[str, Any]:
-        """Check the checkpoint's settings against this run's, then load it."""
-        refuse_changed(path, ck.read_state(path).get("settings"), self.settings)
-        state = ck.read_checkpoint(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            device=self.device,
-            rank=self.rank,
-            world_size=self.world,
-            sharded=self.sharded,
-        )
+        """Check the checkpoint's settings and model against this run's, then load it. Weights
+        (or an optimizer state) that do not fit the model are another --model, refused: never a
+        damaged checkpoint (set aside, the run would start over and replace its model)."""
+        saved = ck.read_state(path)
+        refuse_changed(path, saved.get("settings"), self.settings)
+        other = other_model(saved.get("model"), self.model_signature)
+        if other is not None:
+            raise refuse_other_model(path, self.cfg, saved.get("model"), other)
+        optimizer = saved.get("optimizer")
+        if isinstance(optimizer, str) and optimizer != self.cfg.optimizer:
+            raise UsageError(
+                f"--resume: {path} holds the state of --optimizer {optimizer}, not of "
+                f"--optimizer {self.cfg.optimizer}: resume with --optimizer {optimizer}, or "
+                "start a new run in another folder"
+            )
+        try:
+            state = ck.read_checkpoint(
+                path,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                device=self.device,
+                rank=self.rank,
+                world_size=self.world,
+                sharded=self.sharded,
+            )
+        except (RuntimeError, ValueError) as exc:
+            # a checkpoint of a memfit that recorded no model: its loading says it
+            detail = misfit(exc)
+            if detail is None:
+                raise
+            raise refuse_other_model(path, self.cfg, saved.get("model"), detail) from None
         self.guard.load_state_dict(state["guard"])
         old_lr = rescale_lr(self.optimizer, self.scheduler, self.cfg.lr)
         if old_lr is not None:
@@ -192,10 +240,35 @@ class TrainingRun(RunSetup):
             if self.zero_stage is not None:
                 # DeepSpeed's partitions, master weights and flat buffers
                 cap.track(*self.sharded.held_tensors())
+        self.refuse_cap_below_held(cap)
         self.peak = PeakMemory(self.device, cap)
         self.guard.on_phase = self.peak.phase
         if self.cfg.memory_snapshot and self.device.type == "cuda":
             self.guard.on_oom = snapshot_writer(self.out / "memory-snapshots", self.on_event)
+
+    def refuse_cap_below_held(self, cap: Any) -> None:
+        """A --memory-cap below what the run holds already (its weights, at least): no step can
+        fit, and the first allocation outside one (the data's order) would fail. Exit 3 now."""
+        limit = self.cfg.memory_cap
+        if limit is None:
+            return
+        held: int | None = None
+        if cap is not None:
+            held = int(cap.live_bytes)
+        elif self.device.type == "cuda":
+            held = int(torch.cuda.memory_allocated(self.device))
+        if held is None or held < limit:
+            return
+        from memfit.units import format_bytes
+
+        self.on_event(
+            {"type": "stop", "step": self.step, "reason": "the memory cap is below what is held"}
+        )
+        raise NothingFitsError(
+            f"--memory-cap {format_bytes(limit)}: the run holds {format_bytes(held)} before its "
+            f"first step (the model's weights{', the optimizer state' if self.optimizer.state else ''}"
+            "), so no step fits; give a --memory-cap above that, with room for a step"
+        )
 
     def train_step(self, rows: list[Row]) -> dict[str, Any]:
         """One optimizer step on ``rows`` (the whole step's, on every rank): forward and backward
@@ -454,31 +527,58 @@ class TrainingRun(RunSetup):
             + "or more memory",
         )
 
-    def stop_not_finite(self, number: int, bad: list[str]) -> None:
-        """Stop before an update that would write NaN or inf into the weights. The weights are
-        still those of the step before: they are checkpointed when they are finite (a run whose
-        weights already went bad keeps its older checkpoints and adds none)."""
+    def weights_finite(self) -> bool:
+        """Whether every trained weight is finite (on every rank)."""
+        finite = all(_finite(_local(p).detach()) for p in self.params)
+        if self.ranks is not None:
+            finite = not self.ranks.anyone(not finite)
+        return finite
+
+    def stop_not_finite(self, number: int, bad: list[str], *, updated: bool = False) -> None:
+        """Stop before an update that would write NaN or inf into the weights (``updated``:
+        before the checkpoint of weights an update made so), with advice that holds.
+
+        Resumed from the weights of the step before, step ``number`` computes the same loss and
+        gradient (the same rows and random draws), whatever --lr: those weights are not a resume
+        point (a checkpoint of them is set aside, ``.not-finite-step-N``, kept to look at), so
+        that --resume goes on from an earlier checkpoint, where a lower --lr changes the updates
+        that led here."""
         step, ckpt_dir = self.step, self.ckpt_dir
         self.optimizer.zero_grad(set_to_none=True)
         self.on_event({"type": "not_finite", "step": number, "problems": bad})
-        weights_ok = all(bool(torch.isfinite(p.detach()).all()) for p in self.params)
-        if self.ranks is not None:
-            weights_ok = not self.ranks.anyone(not weights_ok)
-        if weights_ok:
-            self.save("not finite")
-            kept = f"the weights of step {step} are in {ckpt_dir / f'step-{step}'}"
-        else:
-            steps_kept = ck.completed_steps(ckpt_dir)
-            kept = "the weights were already not finite" + (
-                f"; the newest checkpoint is {ckpt_dir / f'step-{steps_kept[-1]}'}"
-                if steps_kept
-                else " and there is no checkpoint"
+        if updated:
+            how = "stopped before its checkpoint"
+        elif self.weights_finite():
+            how = (
+                f"stopped before the update. Resumed from the weights of step {step}, step "
+                f"{number} computes the same, so they are no resume point"
             )
+            if self.main and (ckpt_dir / f"step-{step}").is_dir():
+                aside = ck.set_aside(ckpt_dir / f"step-{step}", "not-finite")
+                self.on_event(
+                    {
+                        "type": "checkpoint_skipped",
+                        "checkpoint": str(ckpt_dir / f"step-{step}"),
+                        "reason": f"step {number} after it is not finite",
+                        "moved_to": str(aside),
+                    }
+                )
+                how += f" (their checkpoint is set aside as {aside})"
+        else:
+            how = "stopped before the update; the weights were already not finite"
+        if self.ranks is not None:
+            self.ranks.barrier()  # every rank sees the checkpoints as rank 0 left them
+        steps_kept = ck.completed_steps(ckpt_dir)
+        resume_from = (
+            f"a resume goes on from {ckpt_dir / f'step-{steps_kept[-1]}'}"
+            if steps_kept
+            else "with no checkpoint before it, a resume starts from step 0"
+        )
         self.on_event({"type": "stop", "step": step, "reason": "loss or gradient not finite"})
         raise TrainingStoppedError(
-            f"step {number}: {' and '.join(bad)}; stopped before the update ({kept}). Lower "
-            f"--lr{'' if self.cfg.max_grad_norm else ' or set --max-grad-norm'}, check the data, "
-            "then run again with --resume"
+            f"step {number}: {' and '.join(bad)}; {how}; {resume_from}. Lower --lr"
+            f"{'' if self.cfg.max_grad_norm else ' (or set --max-grad-norm)'} and run again with "
+            "--resume, or fix the data and start a new run"
         )
 
     # --- the probe ------------------------------------------------------------------------------
@@ -572,7 +672,13 @@ class TrainingRun(RunSetup):
         return result
 
     def save(self, reason: str) -> None:
-        """A checkpoint of this step (every rank writes its part)."""
+        """A checkpoint of this step (every rank writes its part). Weights that an update made
+        not finite are never written: a resume would take them (and --save-total-limit push
+        good checkpoints out for them); the run stops instead (exit 4)."""
+        if not self.weights_finite():
+            self.stop_not_finite(
+                self.step, ["its update made the weights not finite"], updated=True
+            )
         state = {
             "epoch": self.epoch,
             "position": self.position,
@@ -581,6 +687,9 @@ class TrainingRun(RunSetup):
             "guard": self.guard.state_dict(),
             "reason": reason,
             "settings": self.settings,
+            # what its weights fit: a resume with another --model is refused before loading
+            "model": self.model_signature,
+            "optimizer": self.cfg.optimizer,
         }
         path = ck.write_checkpoint(
             self.ckpt_dir,
@@ -611,9 +720,15 @@ class TrainingRun(RunSetup):
 
     def finish(self, started: float) -> None:
         """The end of a run that did every step: the last eval, the model, the result."""
-        if self.eval_rows is not None:
+        # resumed at the last step (the model's save was cut short, or a finished run's model/
+        # is gone): its checkpoint is there, and a finished run's eval line too
+        at_end = self.resumed_at == self.step
+        previous = (self.previous_result or {}).get("eval_metrics") if at_end else None
+        if self.eval_rows is not None and isinstance(previous, dict) and previous:
+            self.last_eval = dict(previous)
+        elif self.eval_rows is not None:
             self.last_eval = self.evaluate()
-        if self.cfg.save_every:
+        if self.cfg.save_every and not at_end:
             # first: a disk that fills up at the model's save loses no step (--resume then finds
             # the last step done and only writes the model)
             self.save("end")
@@ -723,6 +838,25 @@ def _max_or_none(values: Sequence[float | None]) -> float | None:
 
 def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite, told by its smallest and largest (NaN is
+    both): two scalars, never a copy of the tensor (a checkpoint under a tight --memory-cap, the
+    stop when even micro-batch 1 does not fit, allocates nothing here)."""
+    if tensor.numel() == 0:  # a ZeRO-3 placeholder: its values are DeepSpeed's partitions
+        return True
+    try:
+        low, high = torch.aminmax(tensor)
+    except RuntimeError:  # a dtype aminmax does not take here
+        return bool(torch.isfinite(tensor).all())
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP shard is a DTensor: its local tensor)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -2,15 +2,18 @@
 
 A resume must find each step holding the samples it held before: the settings that decide them
 (:data:`STEP_FLAGS`, the rows and their lengths) are recorded in each checkpoint and in run.json,
-and a resume with other ones is refused. The newest checkpoint that verifies and loads is taken;
-a damaged one is set aside. A finished run has nothing to resume (unless it is asked to train
-longer).
+and a resume with other ones is refused. So is one whose weights do not fit --model (each
+checkpoint records its model's signature; an older one's loading says it): another model is a
+setting of the resume, never a damaged checkpoint. The newest checkpoint that verifies, holds
+counts memfit writes and finite weights, and loads is taken; a damaged one is set aside. A
+finished run has nothing to resume (unless it is asked to train longer, or its model/ is gone).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,10 @@ STEP_FLAGS = {
 
 def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
     """With --resume, the result of a run that finished in the folder with these settings and
-    length (nothing to redo), else None. Other settings that decide the steps are refused."""
+    length (nothing to redo), else None. Other settings that decide the steps are refused, and so
+    is another --model (unless a longer run goes on from checkpoints, which check it). A finished
+    run whose model/ is gone is None too: it goes on from its newest checkpoint and writes it."""
+    from memfit.train import checkpoint as ck
     from memfit.train import runfolder
 
     out = Path(cfg.output_dir)
@@ -44,9 +50,63 @@ def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
             f"which samples each step holds: {'; '.join(changed)}. Start a new run in "
             "another folder (--model on its model/ to train it further)"
         )
-    if _longer(runfolder.run_config(out), cfg):
+    longer = _longer(runfolder.run_config(out), cfg)
+    saved_model = (runfolder.run_config(out) or {}).get("model")
+    if (
+        isinstance(saved_model, str)
+        and not same_model(saved_model, cfg.model)
+        and not (longer and ck.completed_steps(out / "checkpoints"))
+    ):
+        # a finished run is not loaded (to go on from its checkpoints, whose recorded model is
+        # checked against --model's, is the longer run's way): its model/ is the other model's
+        fix = (
+            "To train its model further, start a new run in another folder with --model "
+            f"{out / 'model'}"
+            if runfolder.model_present(out)
+            else f"Its model/ is missing: resume with --model {saved_model} to write it again"
+        )
+        raise UsageError(
+            f"--resume: the run in {cfg.output_dir} finished training --model {saved_model}, "
+            f"not --model {cfg.model}: there is nothing of it to resume with another model. {fix}"
+        )
+    if longer:
         return None  # more epochs or steps: train on from the newest checkpoint
+    if not runfolder.model_present(out):
+        # its model/ was removed: the run goes on from its newest checkpoint and writes it again
+        _say_republish(cfg, out, int(done.get("steps", 0)))
+        return None
     return done
+
+
+def same_model(saved: str, now: str) -> bool:
+    """Whether --model ``now`` names the model the run was started with, ``saved`` (the same
+    text, or the same folder by another path)."""
+    if saved == now:
+        return True
+    try:
+        return os.path.exists(saved) and os.path.samefile(saved, now)
+    except OSError:
+        return False
+
+
+def _say_republish(cfg: TrainConfig, out: Path, steps: int) -> None:
+    """The line for a finished run whose model/ is gone: what --resume does to write it again."""
+    from memfit.train import checkpoint as ck
+    from memfit.train.console import say
+
+    if cfg.quiet:
+        return
+    saved = ck.completed_steps(out / "checkpoints")
+    if saved and saved[-1] == steps:
+        how = f"it is written again from {out / 'checkpoints' / f'step-{steps}'}"
+    elif saved:
+        how = (
+            f"its newest checkpoint is {out / 'checkpoints' / f'step-{saved[-1]}'}: the steps "
+            "after it are trained again to write it"
+        )
+    else:
+        how = "no checkpoint holds its weights: it is trained again from the start"
+    say(f"memfit: the run in {out} finished ({steps} steps) but {out / 'model'} is missing; {how}")
 
 
 def step_settings(
@@ -112,11 +172,14 @@ def pick_checkpoint(
     folder: Path,
     load: Callable[[Path], dict[str, Any]] | None,
     skip: Callable[[Path, str], None],
+    check: Callable[[Path, dict[str, Any]], str | None] | None = None,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies (and loads, with ``load``): its path and state.
+    """The newest checkpoint that verifies, passes ``check`` (its state and weights: what is
+    wrong with them, or None) and loads (with ``load``): its path and state.
 
     Each one passed over is handed to ``skip`` with the reason. A refused resume (UsageError:
-    changed settings) and an out-of-memory error are not a damaged checkpoint: they propagate.
+    changed settings, another model) and an out-of-memory error are not a damaged checkpoint:
+    they propagate.
     """
     from memfit.guard import is_oom
     from memfit.train import checkpoint as ck
@@ -126,7 +189,10 @@ def pick_checkpoint(
         problem = ck.verify(path)
         if problem is None:
             try:
-                return path, (load(path) if load is not None else ck.read_state(path))
+                state = ck.read_state(path)
+                problem = check(path, state) if check is not None else None
+                if problem is None:
+                    return path, (load(path) if load is not None else state)
             except UsageError:
                 raise
             except Exception as exc:
@@ -136,6 +202,51 @@ def pick_checkpoint(
                 problem = f"unreadable ({type(exc).__name__}{': ' + first[:200] if first else ''})"
         skip(path, problem)
     return None
+
+
+def other_model(saved: Any, now: dict[str, Any]) -> str | None:
+    """How the model a checkpoint's weights were written for (its recorded signature,
+    :func:`memfit.train.checkpoint.model_signature`) differs from this run's, or None (the same,
+    or a checkpoint of a memfit version that recorded none)."""
+    if not isinstance(saved, dict) or saved.get("digest") in (None, now["digest"]):
+        return None
+
+    then = (saved.get("class"), saved.get("parameters"))
+    written = f"it was written for a {then[0]} of {then[1]} parameter tensors"
+    if then == (now["class"], now["parameters"]):
+        return f"{written} of other names or shapes"
+    return f"{written}, --model {now['name']} is a {now['class']} of {now['parameters']}"
+
+
+# how torch, safetensors and memfit's QLoRA loader say that weights or an optimizer state were
+# written for other parameters (not a damaged file: a file that verifies and does not fit)
+_MISFIT = re.compile(
+    r"Error\(s\) in loading state_dict|size mismatch for|Missing key\(s\)|Unexpected key\(s\)"
+    r"|doesn't match the size of optimizer's group|different number of parameter groups"
+    r"|trained parameters are not this run's"
+)
+
+
+def misfit(exc: BaseException) -> str | None:
+    """The line of a load error that says the checkpoint was written for another model, or None
+    (then the error is the file's: a damaged checkpoint)."""
+    if not isinstance(exc, RuntimeError | ValueError) or not _MISFIT.search(str(exc)):
+        return None
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    detail = next((x for x in lines[1:] if _MISFIT.search(x)), lines[0])
+    return detail if len(detail) <= 200 else detail[:199] + "…"
+
+
+def refuse_other_model(path: Path, cfg: TrainConfig, saved: Any, detail: str) -> UsageError:
+    """The refusal of a checkpoint whose weights do not fit this run's model: a setting of the
+    resume (--model), never a damaged checkpoint (set aside, the run would start over)."""
+    name = saved.get("name") if isinstance(saved, dict) else None
+    started = f" (the run was started with --model {name})" if name and name != cfg.model else ""
+    return UsageError(
+        f"--resume: {path} holds the weights of another model than --model {cfg.model}"
+        f"{started}: {detail}. Resume with the run's --model (and its --lora-rank, "
+        "--quantization), or start a new run in another folder"
+    )
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UsageError
+from memfit.errors import NothingFitsError, UsageError
 from memfit.train.config import TrainConfig, TrainResult
 from memfit.train.console import say
 from memfit.train.loop import StopSignal, TrainingRun
@@ -51,23 +51,28 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         if exc.errno not in _DISK_ERRNOS or not _in_run_folders(cfg, exc):
             raise
         raise UsageError(_disk_message(cfg, exc)) from None
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:
+        from memfit.guard.oom import is_oom
         from memfit.train.peers import lost_contact
 
         # another rank died, was killed or hangs: one line and --resume, not a traceback
-        lost = lost_contact(exc, Path(cfg.output_dir))
-        if lost is None:
+        lost = lost_contact(exc, Path(cfg.output_dir)) if isinstance(exc, RuntimeError) else None
+        if lost is not None:
+            raise lost from None
+        if not is_oom(exc):
             raise
-        raise lost from None
+        # the guard survives an OOM inside a step; one anywhere else is the end (exit 3)
+        raise NothingFitsError(_oom_message(cfg, exc)) from None
     finally:
         lock.release()
 
 
-# what a user's disk or folder can do to a run: full, over quota, read-only, taken away
+# what a user's disk or folder can do to a run: full, over quota, read-only, taken away, failing
+# (EIO: also torch.save's short write, whose error carries no errno: runfolder.as_os_error)
 _DISK_ERRNOS = frozenset(
     {
         errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
-        errno.ENOTDIR, errno.EISDIR,
+        errno.ENOTDIR, errno.EISDIR, errno.EIO,
     }
 )  # fmt: skip
 
@@ -105,6 +110,28 @@ def _disk_message(cfg: TrainConfig, exc: OSError) -> str:
         else ""  # before the first step: nothing of the run was lost
     )
     return f"{flag + ': ' if flag else ''}{where}: {exc.strerror or exc}{kept}"
+
+
+def _oom_message(cfg: TrainConfig, exc: BaseException) -> str:
+    """One line for an out-of-memory error outside a guarded step (loading the model, ordering
+    the data, writing a checkpoint): what ran out, and what is kept."""
+    from memfit.guard.oom import first_line
+    from memfit.train import checkpoint as ck
+
+    out = Path(cfg.output_dir)
+    steps = ck.completed_steps(out / "checkpoints")
+    kept = (
+        f"; the newest checkpoint, {out / 'checkpoints' / f'step-{steps[-1]}'}, is whole: with "
+        "more memory, run again with --resume"
+        if steps
+        else ""
+    )
+    more = " (a larger --memory-cap)" if cfg.memory_cap else ""
+    return (
+        f"out of memory outside a training step ({first_line(exc)}): what the run holds between "
+        f"steps (the weights, their gradients, the optimizer state) does not fit; give it more "
+        f"memory{more} or hold less (--lora-rank 8, --optimizer adafactor){kept}"
+    )
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -68,6 +68,8 @@ def folder_problems(folder: Path, *, resume: bool, check_lock: bool = True) -> l
             f"--output-dir: {folder} already holds files memfit did not write ({shown}); a run "
             "would write its model/ and logs over them: choose a new or empty folder"
         ]
+    if is_run_folder(folder) and (linked := link_problems(folder)):
+        return linked
     if check_lock and (holder := lock_holder(folder)) is not None:
         return [_in_use(folder, holder)]
     if not resume and (folder / RUN_FILE).exists():
@@ -87,6 +89,28 @@ def _names(folder: Path) -> list[str]:
         for child in folder.iterdir()
         if not child.name.startswith(".") and child.name != "lost+found"
     )
+
+
+def link_problems(folder: Path) -> list[str]:
+    """The symbolic links in a run folder (at its top and in ``checkpoints/``), each a line.
+
+    memfit appends to its logs and replaces its files in place: through a link it would write
+    into a file outside the folder (an ``events.jsonl`` linked elsewhere gets the run's lines). A
+    run folder on another disk is the link of the whole ``--output-dir``, which is followed."""
+    problems = []
+    for parent in (folder, folder / "checkpoints"):
+        try:
+            children = sorted(parent.iterdir()) if parent.is_dir() else []
+        except OSError:
+            continue
+        for child in children:
+            if child.is_symlink():
+                problems.append(
+                    f"--output-dir: {child} is a symbolic link (to {os.readlink(child)}); memfit "
+                    "writes a run's files only inside its folder, never through a link: remove "
+                    "it (or put a copy of what it points to in its place) and run again"
+                )
+    return problems
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -150,7 +174,11 @@ class RunLock:
             if existed and not is_run_folder(self.folder):
                 raise UsageError(folder_problems(self.folder, resume=resume)[0])
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            if linked := link_problems(self.folder):
+                raise UsageError(linked[0])
+            # never through a link (one made since the check above included)
+            no_follow = getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | no_follow, 0o644)
         except OSError as exc:
             raise UsageError(f"--output-dir: {self.folder}: {exc.strerror or exc}") from None
         if fcntl is not None:
@@ -181,18 +209,48 @@ class RunLock:
 
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# torch.save's writer (caffe2's inline_container.cc) on a short write: no errno in its message
+_TORCH_WRITE = re.compile(
+    r"PytorchStreamWriter failed writing|unexpected pos \d+|file write failed"
+)
+# less than this free after a write failed: the disk is full (a failed write leaves it at ~0)
+FULL_BELOW = 1 << 20
 
 
 def as_os_error(exc: BaseException, path: Path) -> OSError | None:
-    """The OSError inside a library's own error (safetensors reports a full disk as
-    ``SafetensorError: ... (os error 28)``), or None when it is none."""
+    """The OSError inside a library's own error, or None when it is none: safetensors reports a
+    full disk as ``SafetensorError: ... (os error 28)``, torch.save as ``RuntimeError: [enforce
+    fail at inline_container.cc:…] . unexpected pos …`` with no errno (then the disk holding
+    ``path`` says whether it is full: call this before freeing anything on it)."""
     if isinstance(exc, OSError):
         return exc
-    match = _OS_ERROR.search(str(exc))
-    if match is None:
+    text = str(exc)
+    match = _OS_ERROR.search(text)
+    if match is not None:
+        number = int(match.group(1))
+        return OSError(number, os.strerror(number), str(path))
+    if isinstance(exc, RuntimeError) and _TORCH_WRITE.search(text):
+        free = free_bytes(path)
+        if free is not None and free < FULL_BELOW:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        cause = _TORCH_WRITE.search(text)
+        assert cause is not None
+        return OSError(
+            errno.EIO,
+            f"the write failed (torch: {cause.group(0)}); the disk may be full, over its quota "
+            "or failing",
+            str(path),
+        )
+    return None
+
+
+def free_bytes(path: Path) -> int | None:
+    """The bytes an unprivileged write may still use on the disk holding ``path`` (or None)."""
+    try:
+        stats = os.statvfs(_nearest_existing(path))
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
         return None
-    number = int(match.group(1))
-    return OSError(number, os.strerror(number), str(path))
+    return stats.f_bavail * stats.f_frsize
 
 
 @contextlib.contextmanager
@@ -202,8 +260,8 @@ def removed_on_failure(tmp: Path) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
+        disk = as_os_error(exc, tmp)  # first: what is free before the half-written files go
         shutil.rmtree(tmp, ignore_errors=True)
-        disk = as_os_error(exc, tmp)
         if disk is not None and disk is not exc:
             raise disk from None
         raise
@@ -216,6 +274,14 @@ def finished(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, AttributeError):
         return None
     return result if isinstance(result, dict) and result.get("stopped") == "done" else None
+
+
+def model_present(folder: Path) -> bool:
+    """Whether the run folder's ``model/`` holds a model (a weights file in it)."""
+    model = folder / "model"
+    return model.is_dir() and any(
+        p.suffix in (".safetensors", ".bin") and p.is_file() for p in model.rglob("*")
+    )
 
 
 def run_config(folder: Path) -> dict[str, Any] | None:

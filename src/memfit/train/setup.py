@@ -230,6 +230,8 @@ class RunSetup:
     sharded: Any = None  # the FSDP wrapping (--sharding fsdp) or DeepSpeed's engine (zeroN)
     zero_stage: int | None = None  # --sharding zero1|zero2|zero3 (or a --deepspeed file's)
     ranks: Any = None  # the other ranks (torchrun, accelerate launch), or None
+    resumed_at: int | None = None  # the step of the checkpoint a resume went on from
+    previous_result: dict[str, Any] | None = None  # run.json's result of a finished run resumed
 
     def __init__(self, cfg: TrainConfig, recipe: Any, lock: Any) -> None:
         self.cfg, self.recipe, self.lock = cfg, recipe, lock
@@ -281,6 +283,9 @@ class RunSetup:
             # dropout 0.1; a target name the model lacks is exit 2 here, before anything is written
             add_lora(recipe, cfg)
         self.model = recipe.model
+        # what the checkpoints' weights fit (recorded in them, checked by a resume): taken before
+        # any sharding, so the same on any number of ranks
+        self.model_signature = ck.model_signature(self.model, cfg.model)
         # in-batch negatives span the ranks: the recipe gathers its embeddings across them
         recipe.ranks = ranks
         if ranks is not None:

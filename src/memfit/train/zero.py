@@ -136,20 +136,114 @@ def config_problems(path: str | None, sharding: str, precision: str | None = Non
         )
     if precision is not None:
         problems.extend(_precision_problems(config, path, precision))
+    if not problems:
+        # DeepSpeed's own checks, now: at the engine's start they are a traceback on every rank
+        verdict = deepspeed_verdict(path, wanted or sharding, precision)
+        if verdict is not None:
+            problems.append(verdict)
     return problems
 
 
 def _precision_problems(config: dict[str, Any], path: str, precision: str) -> list[str]:
     """A file that turns on a 16-bit mode other than the run's precision (one line)."""
-    for key in ("bf16", "fp16"):
-        section = config.get(key)
-        enabled = isinstance(section, dict) and section.get("enabled") not in (None, "auto", False)
-        if enabled and key != precision:
+    for key in _enabled_modes(config):
+        if key != precision:
             return [
                 f"--deepspeed: {path} enables {key} but the run's precision is {precision}; make "
                 f'them agree (--precision {key}, or "enabled": false in the file)'
             ]
     return []
+
+
+def _enabled_modes(config: dict[str, Any]) -> list[str]:
+    """The 16-bit modes (bf16, fp16) a DeepSpeed config turns on ("auto": not by itself)."""
+    return [
+        key
+        for key in ("bf16", "fp16")
+        if isinstance(section := config.get(key), dict)
+        and section.get("enabled") not in (None, "auto", False)
+    ]
+
+
+def deepspeed_verdict(path: str, sharding: str, precision: str | None) -> str | None:
+    """What DeepSpeed's own config model (``DeepSpeedConfig``: pydantic models per section, then
+    its checks) rejects in the config memfit would run from the ``--deepspeed`` file: one line
+    naming the file and the field (None: it passes, or DeepSpeed is not installed, which
+    :mod:`memfit.extras` reports)."""
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:
+        return None
+    from types import SimpleNamespace
+
+    if precision is None:
+        # to be planned: the 16-bit mode the file turns on (checked against the plan's later)
+        enabled = _enabled_modes(read_config(path))
+        if len(enabled) > 1:
+            return f"--deepspeed: {path}: enables both bf16 and fp16; DeepSpeed runs one of them"
+        precision = enabled[0] if enabled else "fp32"
+    # the file as memfit runs it: its "auto" values filled, the batch and the optimizer memfit's
+    # (any micro-batch and width do: they are not what a file can get wrong)
+    run_config, _ = build_config(
+        SimpleNamespace(deepspeed=path, max_grad_norm=None),
+        stage=int(sharding[-1]),
+        hidden_size=768,
+        precision=precision,
+        micro=1,
+    )
+    try:
+        DeepSpeedConfig(run_config)
+    except Exception as exc:  # pydantic's ValidationError (a ValueError), asserts, ValueErrors
+        return f"--deepspeed: {path}: {_rejection(exc, run_config)}"
+    return None
+
+
+def _rejection(exc: Exception, config: dict[str, Any]) -> str:
+    """DeepSpeed's reason, with the field it is about (``zero_optimization.reduce_bucket_size:
+    Input should be greater than 0, got -5``)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+        except (TypeError, IndexError, ValueError):
+            first = None
+        if isinstance(first, dict):
+            loc = [str(x) for x in first.get("loc", ())]
+            where = _field_path(config, loc, first.get("input"))
+            if where is None:  # a field the file does not have (a required one)
+                where = ".".join([str(getattr(exc, "title", "")), *loc]).strip(".")
+            got = "" if first.get("type") == "missing" else f", got {first.get('input')!r}"
+            # (pydantic prefixes a validator's own ValueError)
+            message = str(first.get("msg", exc)).removeprefix("Value error, ")
+            return f"{where}: {message}{got} (DeepSpeed's config check)"
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return f"DeepSpeed rejects it: {line}"
+
+
+def _field_path(config: dict[str, Any], loc: list[str], value: Any) -> str | None:
+    """Where in ``config`` the field that a section's model rejected is: its location inside
+    the section (``loc``) under some section key, holding the rejected value if one does."""
+    found = [path for path, held in _located(config, loc, ()) if held == value]
+    found = found or [path for path, _ in _located(config, loc, ())]
+    return ".".join(found[0]) if found else None
+
+
+def _located(
+    config: Any, loc: list[str], prefix: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every ``(path, value)`` in ``config`` whose path ends with ``loc``."""
+    if not isinstance(config, dict) or not loc:
+        return
+    here: Any = config
+    for key in loc:
+        if not isinstance(here, dict) or key not in here:
+            break
+        here = here[key]
+    else:
+        yield (*prefix, *loc), here
+    for key, section in config.items():
+        yield from _located(section, loc, (*prefix, str(key)))
 
 
 def stage_of(cfg: Any) -> int | None:

@@ -308,3 +308,224 @@ def test_flag_problems() -> None:
     (one,) = problems(prompt_column="p", completion_column="c", text_column="body")
     assert one.startswith("--text-column: not with --prompt-column/--completion-column")
     assert len(problems(prompt_column="p", packing=True, text_column="t")) == 3
+
+
+# --- the bounds of a template's rendering (issue 30) -------------------------------------------
+# a template is a program from the model folder: one that loops or grows without end costs its
+# row, never the run. Each renders the conversation first, so only the bound can stop it.
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+GROWS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+HUGE = "{{ 'x' * 10 ** 10 }}"
+# real templates, as their tokenizer_config.json holds them (Llama 3, Qwen 2.5, Gemma, Mistral,
+# Phi-3): rendered as transformers renders them, never past a bound
+REAL_TEMPLATES = {
+    "llama-3": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+        "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] "
+        "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content "
+        "%}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    "qwen-2.5": (
+        "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == "
+        "'system' %}\n        {{- messages[0]['content'] }}\n    {%- else %}\n        {{- 'You "
+        "are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}"
+        '\n    {{- "\\n\\n# Tools\\n\\n<tools>" }}\n    {%- for tool in tools %}\n        '
+        '{{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>'
+        "<|im_end|>\\n\" }}\n{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n        "
+        "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else "
+        "%}\n        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+        "helpful assistant.<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in "
+        'messages %}\n    {%- if (message.role == "user") or (message.role == "system" and not '
+        'loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        '
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+        "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role "
+        "}}\n        {%- if message.content %}\n            {{- '\\n' + message.content }}\n"
+        "        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            "
+        "{%- if tool_call.function is defined %}\n                {%- set tool_call = "
+        "tool_call.function %}\n            {%- endif %}\n            {{- '\\n<tool_call>\\n"
+        '{"name": "\' }}\n            {{- tool_call.name }}\n            {{- \'", "arguments": '
+        "' }}\n            {{- tool_call.arguments | tojson }}\n            {{- '}\\n</tool_call>"
+        "' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n    {%- elif message.role "
+        '== "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != '
+        "\"tool\") %}\n            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- "
+        "'\\n<tool_response>\\n' }}\n        {{- message.content }}\n        {{- '\\n"
+        "</tool_response>' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "
+        "\"tool\") %}\n            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}"
+        "\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}"
+        "\n{%- endif %}\n"
+    ),
+    "gemma": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role "
+        "not supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == "
+        "'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must "
+        "alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == "
+        "'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+        "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + "
+        "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{'<start_of_turn>model\n'}}{% endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+        "(loop.index % 2 == 1) %}{{ raise_exception('Conversation roles must alternate "
+        "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+        "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == "
+        "'assistant' %}{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only "
+        "user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+    ),
+    "phi-3": (
+        "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + "
+        "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + "
+        "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+        "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}"
+        "{% endif %}"
+    ),
+}
+
+
+@pytest.fixture
+def template(tokenizer: Any) -> Any:
+    """Sets the tokenizer's chat template for one test (the fixture's own back after it)."""
+
+    def use(text: str) -> None:
+        tokenizer.chat_template = text
+
+    yield use
+    tokenizer.chat_template = CHAT_TEMPLATE
+
+
+def end_renderer() -> None:
+    """Ends memfit's rendering process and waits for it: its peak then counts among the
+    children's."""
+    from memfit.data import instructions
+
+    renderer = getattr(instructions, "_RENDERER", None)
+    if renderer is not None:
+        renderer.close()
+
+
+def children_peak_bytes() -> int:
+    """The largest resident size of the children of this process that have ended (ru_maxrss:
+    KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def test_a_template_that_loops_without_end_is_a_bad_row_in_its_time(
+    tokenizer: Any, template: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from memfit.data import instructions
+
+    monkeypatch.setattr(instructions, "RENDER_SECONDS", 1.0, raising=False)
+    template(LOOPS + CHAT_TEMPLATE)
+    start = time.monotonic()
+    row = tokenize_chat(tokenizer, CHATS[0], markers=True)
+    assert time.monotonic() - start < 30  # the loops alone run for hours
+    assert row.ids == [] and row.targets == []
+    assert row.problem == (
+        "the chat template did not finish rendering this conversation within 1 s (memfit's "
+        "bound per row: does the template loop without end?)"
+    )
+    # the next row renders in a fresh renderer, with a template that ends
+    template(CHAT_TEMPLATE)
+    assert tokenize_chat(tokenizer, CHATS[0], markers=True).problem is None
+
+
+@pytest.mark.parametrize("text", [GROWS, HUGE])
+def test_a_template_that_grows_without_end_is_a_bad_row_within_its_memory(
+    tokenizer: Any, template: Any, monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    from memfit.data import instructions
+
+    monkeypatch.setattr(instructions, "RENDER_MEMORY", 32 << 20, raising=False)
+    end_renderer()  # the rows before: their renderer's peak is counted here
+    before = children_peak_bytes()
+    template(text + CHAT_TEMPLATE)
+    row = tokenize_chat(tokenizer, CHATS[1], markers=False)
+    assert row.ids == [] and row.targets == []
+    assert row.problem is not None
+    assert row.problem.startswith("the chat template needs more than 32.")
+    assert row.problem.endswith("of memory to render this conversation (memfit's bound per row)")
+    end_renderer()  # ended and waited for: its peak is counted now
+    # the template alone asks for 10 GB and more; its renderer stayed small
+    assert children_peak_bytes() <= max(before, 1 << 30)
+
+
+def test_a_template_that_renders_too_much_text_is_a_bad_row(
+    tokenizer: Any, template: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memfit.data import instructions
+
+    monkeypatch.setattr(instructions, "RENDER_CHARS", 1000, raising=False)
+    template("{{ 'x' * 100000 }}" + CHAT_TEMPLATE)
+    row = tokenize_chat(tokenizer, CHATS[0], markers=True)
+    assert row.problem is not None
+    assert row.problem.startswith("the chat template renders more than 1,")
+    assert row.problem.endswith("characters for this conversation (memfit's bound for this row)")
+
+
+def test_a_template_past_its_bounds_on_every_row_is_not_run_again(
+    tokenizer: Any, template: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from memfit.data import instructions
+
+    monkeypatch.setattr(instructions, "RENDER_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(instructions, "RENDER_GIVE_UP", 2, raising=False)
+    template(LOOPS + "{# another template #}" + CHAT_TEMPLATE)
+    problems = [tokenize_chat(tokenizer, CHATS[0], markers=True).problem for _ in range(2)]
+    assert all(p is not None and "within 1 s" in p for p in problems)
+    start = time.monotonic()
+    row = tokenize_chat(tokenizer, CHATS[1], markers=True)
+    assert time.monotonic() - start < 0.5  # not run: no second of waiting
+    assert row.problem == (
+        "not rendered: the chat template passed memfit's bounds on the 2 rows before this one "
+        "and rendered none of them"
+    )
+
+
+@pytest.mark.parametrize("name", list(REAL_TEMPLATES))
+def test_real_templates_render_as_transformers_renders_them_over_long_chats(
+    tokenizer: Any, template: Any, name: str
+) -> None:
+    template(REAL_TEMPLATES[name])
+    chat = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"{SENTENCES[i % 7]} #{i}."}
+        for i in range(200)
+    ]
+    from memfit.data import instructions
+
+    # the bounded renderer's text is transformers' own
+    wanted = [(len(chat), False), (len(chat) - 1, True)]
+    assert instructions._texts(tokenizer, chat, wanted, instructions._Clock()) == [
+        tokenizer.apply_chat_template(chat, tokenize=False),
+        tokenizer.apply_chat_template(chat[:-1], tokenize=False, add_generation_prompt=True),
+    ]
+    row = tokenize_chat(tokenizer, chat, markers=False)
+    if name == "phi-3":
+        # its EOS after the last turn: a start renders differently from the whole (the
+        # prefixes cannot find the turns; the message says to add the markers), no bound
+        assert row.problem is not None
+        assert row.problem.startswith("the chat template renders the conversation up to ")
+        return
+    assert row.problem is None
+    text = tokenizer.apply_chat_template(chat, tokenize=False)
+    assert row.ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    targets = decoded_targets(tokenizer, row.ids, row.targets)
+    for message in chat:
+        assert (message["content"] in targets) == (message["role"] == "assistant")
+
+
+def test_generation_markers_give_transformers_own_mask(tokenizer: Any) -> None:
+    for chat in CHATS:
+        row = tokenize_chat(tokenizer, chat, markers=True)
+        out = tokenizer.apply_chat_template(
+            chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert row.ids == list(out["input_ids"])
+        assert row.targets == list(out["assistant_masks"])

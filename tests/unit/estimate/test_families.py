@@ -545,7 +545,8 @@ def test_every_family_estimates(
 
 
 # the whole product takes about 12 minutes on 2 cores: run it with MEMFIT_FULL_MATRIX=1 (CI runs
-# the representative cells above)
+# the representative cells above, and test_matrix.py's covering design: every registry family
+# with every optimizer, precision, task, mode, device and trace depth)
 _FULL_MATRIX = pytest.mark.skipif(
     os.environ.get("MEMFIT_FULL_MATRIX") != "1", reason="set MEMFIT_FULL_MATRIX=1 (~12 minutes)"
 )

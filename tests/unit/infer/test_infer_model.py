@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from memfit.errors import UsageError
@@ -85,3 +86,34 @@ def test_a_head_the_folder_lacks_is_refused(tmp_path: Path) -> None:
     BertModel(config).save_pretrained(folder)
     with pytest.raises(UsageError, match=r"no trained classification weights for classifier\.bias"):
         load_predict_model(folder, "classification")
+
+
+@pytest.mark.parametrize(
+    ("run_json", "kind"),
+    [
+        ({"config": {"task": "classification"}}, "single_label"),  # memfit trained a classifier
+        (None, "regression"),  # a folder of its own: one label reads as regression
+        ({"config": {"task": "causal-lm"}}, "regression"),
+    ],
+)
+def test_a_one_label_head_of_a_classification_run_is_no_regression(
+    tmp_path: Path, run_json: dict[str, object] | None, kind: str
+) -> None:
+    """A memfit classification run with one label (issue 30: it trained) is a classifier, not
+    a regression head: the run folder says what it is."""
+    from memfit.infer.predict import Classifier
+    from memfit.infer.run import InferConfig
+    from tiny_models import save_bert
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    save_bert(run / "model", ["w1", "w2"], num_labels=1)
+    if run_json is not None:
+        (run / "run.json").write_text(json.dumps(run_json))
+    classifier = Classifier(run / "model", InferConfig(str(run), "rows.jsonl", "out.jsonl"))
+    assert classifier.kind == kind
+    record = classifier.record(np.array([0.5]))
+    if kind == "regression":
+        assert record == {"score": 0.5}
+    else:
+        assert record == {"label": "LABEL_0", "label_id": 0, "probabilities": {"LABEL_0": 0.5}}

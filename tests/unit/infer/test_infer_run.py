@@ -90,6 +90,29 @@ def test_a_row_that_does_not_fit_alone_is_exit_3_naming_its_line() -> None:
     assert info.value.exit_code == 3
 
 
+def test_an_oom_a_library_wrapped_is_quoted_by_its_own_words() -> None:
+    """transformers' tokenizer words an OOM while it makes its tensors as a truncation problem
+    (a ValueError whose cause is the OOM): the message quotes the OOM, not the wrapper."""
+
+    def tokenizer_like(chunk: list[Item]) -> list[Any]:
+        try:
+            raise torch.OutOfMemoryError("memfit memory cap: tried to hold 2 KiB, the cap is 1 KiB")
+        except torch.OutOfMemoryError as exc:
+            raise ValueError(
+                "Unable to create tensor, you should probably activate truncation and/or padding "
+                "with 'padding=True' 'truncation=True' to have batched tensors with the same length."
+            ) from exc
+
+    events: list[dict[str, Any]] = []
+    guarded = GuardedInference(tokenizer_like, batch_size=2, device=CPU, on_event=events.append)
+    with pytest.raises(NothingFitsError) as info:
+        guarded.run(items([5, 4]))
+    message = str(info.value)
+    assert "tried to hold 2 KiB, the cap is 1 KiB" in message
+    assert "truncation" not in message and "Unable to create tensor" not in message
+    assert all("truncation" not in str(e.get("error", "")) for e in events)
+
+
 def test_an_error_that_is_not_oom_is_not_retried() -> None:
     def broken(chunk: list[Item]) -> list[Any]:
         raise ValueError("a bug")

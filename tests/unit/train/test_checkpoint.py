@@ -96,3 +96,86 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch: pytest.MonkeyPatch
             state={},
         )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("free", "errno_name", "said"),
+    [(0, "ENOSPC", "No space left on device"), (1 << 30, "EIO", "the disk may be full")],
+)
+def test_a_short_write_of_torch_save_is_a_disk_error_and_leaves_nothing(
+    free: int, errno_name: str, said: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save on a full disk raises a RuntimeError from caffe2's writer with no errno: it
+    comes out as the OSError it is (ENOSPC when the disk has no room left), nothing left."""
+    import errno
+
+    from memfit.train import runfolder
+
+    model, optimizer, scheduler = _objects()
+
+    def short_write(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:626] . unexpected pos 1216 vs 1114"
+        )
+
+    monkeypatch.setattr(ck.torch, "save", short_write)
+    monkeypatch.setattr(runfolder, "free_bytes", lambda path: free)
+    with pytest.raises(OSError) as failed:
+        ck.write_checkpoint(
+            tmp_path, 5, model=model, optimizer=optimizer, scheduler=scheduler, scaler=None,
+            state={},
+        )  # fmt: skip
+    assert failed.value.errno == getattr(errno, errno_name)
+    assert said in str(failed.value)
+    assert str(failed.value.filename).startswith(str(tmp_path / ".tmp-step-5-"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_state_memfit_never_writes_is_named() -> None:
+    good = {"step": 6, "epoch": 1, "position": 8, "samples_seen": 24, "best": 0.5}
+    # 16 rows, 4 per step: 4 steps an epoch; step 6 is epoch 1 at position 8
+    assert ck.state_problem(good, 6, 16, 4) is None
+    assert (
+        ck.state_problem({**good, "step": 8, "position": 16, "samples_seen": 32}, 8, 16, 4) is None
+    )
+    # a short last step (10 rows, 4 per step: 3 steps, the last of 2 rows)
+    end = {"step": 3, "epoch": 0, "position": 10, "samples_seen": 10, "best": None}
+    assert ck.state_problem(end, 3, 10, 4) is None
+    bad = {
+        "step -5": ({**good, "step": -5}, "step is -5, not a count"),
+        "position": ({**good, "position": 10**9}, "position 1000000000 is past the 16"),
+        "samples": ({**good, "samples_seen": 10**9}, "samples_seen 1000000000 is not"),
+        "text": ({**good, "epoch": "1"}, "epoch is '1', not a count"),
+        "bool": ({**good, "position": True}, "position is True"),
+        "name": ({**good, "step": 5}, "step 5 in the checkpoint of step 6"),
+        "where": ({**good, "epoch": 0, "samples_seen": 8}, "step 6 is not where epoch 0"),
+        "best": ({**good, "best": float("inf")}, "best is inf"),
+        "list": ([1, 2], "not a JSON object"),
+    }
+    for case, (state, said) in bad.items():
+        problem = ck.state_problem(state, 6, 16, 4)
+        assert problem is not None and said in problem, (case, problem)
+
+
+def test_weights_that_are_not_finite_are_named(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")])},
+        str(tmp_path / "model.safetensors"),
+    )
+    assert ck.weights_problem(tmp_path) == "its weights are not finite (NaN or inf in b)"
+    save_file({"a": torch.ones(3), "n": torch.arange(3)}, str(tmp_path / "model.safetensors"))
+    assert ck.weights_problem(tmp_path) is None
+
+
+def test_the_model_signature_tells_architectures_apart() -> None:
+    a = ck.model_signature(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), "a")
+    same = ck.model_signature(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), "elsewhere/a")
+    wider = ck.model_signature(nn.Sequential(nn.Linear(4, 9), nn.Linear(9, 2)), "b")
+    frozen = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    frozen[0].requires_grad_(False)
+    assert a["digest"] == same["digest"] and a["parameters"] == 4
+    assert wider["digest"] != a["digest"]
+    # what is trained decides the optimizer state's shape
+    assert ck.model_signature(frozen, "a")["digest"] != a["digest"]

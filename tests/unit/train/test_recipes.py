@@ -138,7 +138,8 @@ def test_registry() -> None:
 def test_missing_model_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recipe = ClassificationRecipe("no-such-org/no-such-model")
-    rows = recipe.read(write_jsonl(tmp_path / "t.jsonl", [{"text": "a", "label": 1}]))
+    data = [{"text": "a", "label": 1}, {"text": "b", "label": 0}]
+    rows = recipe.read(write_jsonl(tmp_path / "t.jsonl", data))
     with pytest.raises(
         UsageError, match=r"^--model: cannot load 'no-such-org/no-such-model': not a local folder"
     ):

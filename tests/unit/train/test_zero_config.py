@@ -139,3 +139,93 @@ def test_the_files_precision_against_the_flag_is_checked_before_anything_starts(
     problems = config_problems(path, "none", "fp16")
     assert len(problems) == 1 and "enables bf16 but the run's precision is fp16" in problems[0]
     assert config_problems(path, "none", "bf16") == []
+
+
+# --- issue 30: what DeepSpeed's own config model rejects, before anything starts -----------------
+@pytest.mark.parametrize(
+    ("config", "field", "says"),
+    [
+        (
+            {"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}},
+            "zero_optimization.reduce_bucket_size",
+            "Input should be greater than 0, got -5",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "many"}},
+            "zero_optimization.stage3_max_live_parameters",
+            "Input should be a valid integer",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5}},
+            "zero_optimization.reduce_bucket_sise",
+            "Extra inputs are not permitted",
+        ),
+        (
+            {"zero_optimization": {"stage": 1}, "bf16": {"enabled": False, "bogus": 1}},
+            "bf16.bogus",
+            "Extra inputs are not permitted",
+        ),
+        (
+            {"zero_optimization": {"stage": 1}, "comms_logger": {"enabled": "x"}},
+            "comms_logger.enabled",
+            "Input should be a valid boolean",
+        ),
+    ],
+)
+def test_what_deepspeeds_config_model_rejects_is_one_line_naming_the_field(
+    tmp_path: Path, config: dict[str, object], field: str, says: str
+) -> None:
+    pytest.importorskip("deepspeed")
+    path = _write(tmp_path, config)
+    problems = config_problems(path, "none")
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"--deepspeed: {path}: {field}: "), problems
+    assert says in problems[0] and "\n" not in problems[0]
+
+
+def test_a_file_deepspeed_accepts_passes_its_auto_values_included(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    path = _write(
+        tmp_path,
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "reduce_bucket_size": "auto",
+                "stage3_prefetch_bucket_size": "auto",
+                "overlap_comm": True,
+            },
+            "bf16": {"enabled": "auto"},
+            "train_batch_size": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        },
+    )
+    assert config_problems(path, "none") == []
+    assert config_problems(path, "none", "bf16") == []
+    # a 16-bit mode the file turns on, with the precision left to the plan
+    path = _write(tmp_path, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    assert config_problems(path, "none") == []
+
+
+def test_without_torchrun_a_bad_file_is_said_first_not_only_the_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One process: the file's problem is the first line (it was the launch line alone), the
+    launch line after it; exit 2, no traceback, nothing written."""
+    pytest.importorskip("deepspeed")
+    from cli_run import run_cli
+
+    path = _write(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}})
+    data = tmp_path / "train.csv"
+    data.write_text("text,label\nhello there,1\ngood bye,0\n")
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        capsys, "train", "--task", "classification", "--model", str(tmp_path / "no-model"),
+        "--train-file", str(data), "--output-dir", str(out), "--deepspeed", path,
+    )  # fmt: skip
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and not out.exists()
+    assert lines[0] == (
+        f"memfit: error: --deepspeed: {path}: zero_optimization.reduce_bucket_size: Input should "
+        "be greater than 0, got -5 (DeepSpeed's config check)"
+    )
+    assert any("launch them: torchrun" in x for x in lines[1:])

@@ -161,6 +161,15 @@ class ClassificationRecipe(Recipe):
             )
         if num_labels is not None and num_labels < 1:
             raise UsageError(f"--num-labels: must be ≥ 1, got {num_labels}")
+        # one class: nothing to tell apart (the softmax of one logit is 1, the loss 0 at once)
+        if num_labels == 1:
+            raise UsageError("--num-labels: a classifier needs at least two labels, got 1")
+        named = [str(x).strip() for x in labels or [] if str(x).strip()]
+        if len(named) == 1:
+            raise UsageError(
+                f"--labels: names one label ({named[0]}); a classifier needs at least two "
+                "(--labels neg,pos)"
+            )
         self.model_name = str(model)
         self.text_column = text_column
         self.label_column = label_column
@@ -215,6 +224,18 @@ class ClassificationRecipe(Recipe):
         if not self._fixed and flag == "--train-file":
             values = label_values(rows.label_texts)
             self._set_labels(values, [str(v) for v in values])
+        if flag == "--train-file" and len(rows.label_texts) == 1:
+            # one class: nothing to tell apart (a one-label head's loss is 0 from the first
+            # step; beside --labels' other labels, it learns to answer this one always)
+            (label,) = label_values(rows.label_texts)
+            if not self._fixed:
+                self._set_labels([], [])  # the eval file's labels are not checked against it
+            skipped = f", after {len(rows.skipped)} bad rows skipped" if rows.skipped else ""
+            raise UsageError(
+                f"--train-file: {path}: every row has the label {label!r} ({len(rows)} "
+                f"row{'s' if len(rows) != 1 else ''}{skipped}); a classifier needs rows of at "
+                "least two labels"
+            )
         return rows
 
     def _label_id(self, row: Row) -> int:

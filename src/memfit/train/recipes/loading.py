@@ -6,6 +6,10 @@ folder is checked first (:mod:`memfit.models.folder`): a config that is not JSON
 architecture transformers does not know, no weights (training would start from random weights),
 weights cut short, no tokenizer files (transformers would fall back to an empty vocabulary), and
 weights whose shapes no longer fit the config are each one line naming ``--model`` and the file.
+Once loaded, a model whose body the weights did not fill (transformers starts the rest at random
+and only logs it) is refused too; a new task head (a classifier on a base model) is what a run
+trains, and passes. So are weights that only an unsafe unpickling would read, and a folder whose
+code transformers would have to run (``trust_remote_code``).
 
 A run that loads its model otherwise (QLoRA: quantized by bitsandbytes, straight onto its device)
 wraps the recipe's ``build`` in :func:`model_options`: every model (not tokenizer, not config)
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from memfit.errors import UsageError
-from memfit.models.folder import check_for_loader, mismatch_message
+from memfit.models.folder import check_for_loader, check_loaded, load_failure, recorded_loads
 
 T = TypeVar("T")
 
@@ -86,12 +90,11 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
     if local:
         check_folder(loader, Path(model).expanduser())
     try:
-        return loader(model, **kwargs)
+        with recorded_loads() as loaded:
+            result = loader(model, **kwargs)
     except OSError as exc:  # transformers/huggingface_hub raise OSError subclasses for "not found"
         if local:
-            text = str(exc).strip()
-            first = text.splitlines()[0] if text else type(exc).__name__
-            raise UsageError(f"{FLAG}: cannot load {model!r}: {first}") from None
+            raise UsageError(load_failure(exc, model, FLAG) or str(exc)) from None
         from memfit.models.registry import resolve_model
 
         try:
@@ -108,8 +111,16 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
             f"{FLAG}: cannot load {model!r}: not a local folder and not in the Hugging Face "
             "cache (offline?)"
         ) from None
-    except RuntimeError as exc:
-        message = mismatch_message(exc, model, FLAG)
+    except Exception as exc:
+        # weights only an unsafe unpickling reads, a folder that needs remote code (ValueError),
+        # weights that do not fit the config (RuntimeError): anything else is a bug, raised
+        message = load_failure(exc, model, FLAG)
         if message is None:
             raise
         raise UsageError(message) from None
+    for loaded_model, info in loaded:
+        # a new task head is what the run trains; missing weights of the body are refused
+        check_loaded(
+            loaded_model, info, model, FLAG, without="training would start them from random weights"
+        )
+    return result

@@ -21,6 +21,7 @@ MODEL is a sentence-transformers folder or a plain Hugging Face one (wrapped wit
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -356,7 +357,11 @@ class SentenceEmbeddingRecipe(Recipe):
             "and its gradient weaker than a full step's"
         )
         # a step size near this one that leaves no short step
-        near = [d for d in range(max(2, per_step // 2), per_step * 2 + 1) if rows % d == 0]
+        # (the divisors of the data's rows, not every number near a step size that may be huge)
+        divisors = {
+            d for k in range(1, math.isqrt(rows) + 1) if rows % k == 0 for d in (k, rows // k)
+        }
+        near = sorted(d for d in divisors if max(2, per_step // 2) <= d <= per_step * 2)
         cure = (
             f"--effective-batch-size {min(near, key=lambda d: abs(d - per_step))} or "
             if near
