@@ -10,7 +10,7 @@ it answers for root (whom permission bits do not stop) and for read-only mounts 
 ``OSError`` a user's disk or path can cause (full, read-only, not there) is one line, exit 2.
 
 :func:`destination_problems`: an output is never an input, and replaces an existing file memfit
-did not write only with ``--overwrite`` (memfit knows its own files by what they hold).
+cannot tell it wrote only with ``--overwrite`` (memfit knows its own files by what they hold).
 """
 
 from __future__ import annotations
@@ -138,18 +138,21 @@ def check_writable_dir(path: str | os.PathLike[str], flag: str, *, create: bool 
     return Path(path)
 
 
-# --- outputs: never over an input, nor over a file memfit did not write -----------------------
+# --- outputs: never over an input, nor over a file memfit cannot tell it wrote ----------------
 # ``predict``/``embed`` ``--output`` and ``--events``, ``plan --write-config``, ``estimate --plot``:
 # :func:`destination_problems` is checked with the other flags, before anything is read or loaded.
 #
 # - an input, never (``--overwrite`` or not): the same file as one the run reads, by
 #   os.path.samefile (so a symbolic or a hard link to an input is that input) or by its resolved
 #   path; a file inside a data folder the run reads (a new one too: the next read of the folder
-#   would take it as data); an existing file of a model folder the run loads;
+#   would take it as data); a file inside a model folder the run loads (a new one too, memfit's
+#   own too: a run's model/ is replaced whole when it is published again);
 # - another output of the same run (``--events`` and ``--output`` one file): never;
-# - an existing file memfit did not write: only with ``--overwrite``. memfit knows its own files by
-#   what they hold (a recognizer per kind: its first record, a mark in the metadata); a format with
-#   no room for a mark (``.npy``) always needs ``--overwrite`` over an existing file.
+# - an existing file memfit cannot tell it wrote: only with ``--overwrite``. memfit knows its
+#   files by what they hold (a recognizer per kind: its first records, a mark in the metadata);
+#   a file it does not recognize is one it "cannot tell" it wrote, never one it "did not write"
+#   (an older memfit's Parquet has no mark). A format with no room for a mark (``.npy``) always
+#   needs ``--overwrite`` over an existing file.
 #
 # The writers replace the file atomically (a temporary beside it, renamed at the end), so the old
 # file stays whole until the new one is.
@@ -249,7 +252,7 @@ def destination_problems(
     """Why memfit must not write ``path`` (given as ``flag``), one line each; empty when it may.
 
     ``inputs``: what the run reads; ``others``: the run's other outputs, as (flag, path);
-    ``overwrite``: the user allows an existing file memfit did not write to be replaced.
+    ``overwrite``: the user allows an existing file memfit cannot tell it wrote to be replaced.
     ``renamed``: the writer renames a new file over ``path`` (never over a device or a FIFO);
     else it opens ``path`` and writes through (a log: a device or a FIFO takes it as it is)."""
     target = Path(path)
@@ -273,22 +276,28 @@ def destination_problems(
                     f"{flag}: {target} is inside {source.path}, the data folder of {source.flag}: "
                     f"memfit reads every file there as data; {give}"
                 ]
-            if os.path.lexists(target) and not _recognized(kind, target):
-                return [
-                    f"{flag}: {target} is a file of the model folder {source.path} "
-                    f"({source.flag}): memfit never writes over what it loads; {give}"
-                ]
+            # any file, memfit's own too: a run's model/ is replaced whole when it is published
+            # again; a new one too (written once, it would be a file of the folder on the rerun)
+            return [
+                f"{flag}: {target} is inside the model folder {source.path} ({source.flag}): "
+                f"memfit never writes in what it loads; {give}"
+            ]
     for other_flag, other in others:
         if same_file(target, Path(other)):
             return [f"{flag}: {target} is also {other_flag}: give them different files"]
     if special:
         return []  # written through (--events /dev/stderr): nothing there to lose
     if os.path.lexists(target) and not overwrite and not _recognized(kind, target):
+        # "cannot tell", never "it is not": a file memfit wrote before it marked its files (an
+        # older memfit's Parquet) is memfit's, and memfit has no way to know it
         if kind.ours is never:
-            why = f"memfit cannot tell whether it wrote it ({kind.what} carries no mark)"
+            why = f"{kind.what} carries no mark"
         else:
-            why = f"it is not {kind.what}"
-        return [f"{flag}: {target} exists and {why}; add --overwrite to replace it, or {give}"]
+            why = f"nothing in it marks it as {kind.what}"
+        return [
+            f"{flag}: {target} exists and memfit cannot tell whether it wrote it ({why}); add "
+            f"--overwrite to replace it, or {give}"
+        ]
     return []
 
 

@@ -3,9 +3,14 @@ line of a case and an offline environment several runs can share the CPU in."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
 
 
 def train_command(folder: Path, flags: dict[str, str | None]) -> list[str]:
@@ -38,3 +43,32 @@ def offline_environment(root: Path) -> dict[str, str]:
         OMP_NUM_THREADS="1",
     )
     return env
+
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def classification_csv(path: Path, rows: int = 16) -> Path:
+    """A classification CSV of ``rows`` rows: texts of 4 to 8 words, labels 0 and 1 in turn."""
+    lines = ["text,label"]
+    for i in range(rows):
+        words = [WORDS[(i * 7 + k * 3) % 60] for k in range(4 + i % 5)]
+        lines.append(f"{' '.join(words)},{i % 2}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``folder``'s model.safetensors."""
+    return load_file(str(folder / "model.safetensors"))
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts of the same tensors."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def events(out: Path) -> list[dict[str, Any]]:
+    """A run folder's events.jsonl, one dict a line."""
+    return [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]

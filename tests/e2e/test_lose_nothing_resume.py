@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from memfit_runs import WORDS
+from memfit_runs import classification_csv as _data
+from memfit_runs import events as _events
+from memfit_runs import max_difference as _same
+from memfit_runs import weights as _weights
+from safetensors.torch import save_file
 
 from memfit.cli import main
 from memfit.train import TrainConfig, train
@@ -25,17 +30,6 @@ from memfit.train import checkpoint as ck
 from tiny_models import save_bert
 
 pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
-
-WORDS = [f"w{i}" for i in range(60)]
-
-
-def _data(path: Path, rows: int = 16) -> Path:
-    lines = ["text,label"]
-    for i in range(rows):
-        words = [WORDS[(i * 7 + k * 3) % 60] for k in range(4 + i % 5)]
-        lines.append(f"{' '.join(words)},{i % 2}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _config(model: str, data: Path, out: Path, **knobs: Any) -> TrainConfig:
@@ -71,19 +65,6 @@ def _error_line(err: str) -> str:
     assert "Traceback" not in err, err
     (line,) = [x for x in err.splitlines() if x.startswith("memfit: error:")]
     return line
-
-
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / "model.safetensors"))
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def _events(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
 
 
 def _tree(folder: Path) -> dict[str, tuple[int, int]]:
@@ -264,9 +245,9 @@ def test_a_short_write_of_torch_save_is_one_line_and_keeps_the_checkpoint(
 @pytest.mark.parametrize(
     "edit",
     [{"step": -5}, {"position": 10**9}, {"samples_seen": 10**9 + 24}, {"epoch": "1"},
-     {"step": 4}, {"best": float("nan")}],
+     {"step": 4}, {"best": "0.5"}],
     ids=["step-negative", "position-past-the-rows", "samples", "epoch-text", "step-of-another",
-         "best-nan"],
+         "best-text"],
 )  # fmt: skip
 def test_a_trainer_state_that_verifies_but_cannot_be_is_passed_over(
     edit: dict[str, Any], whole: Path, tiny_classifier: str, tmp_path: Path
@@ -285,8 +266,59 @@ def test_a_trainer_state_that_verifies_but_cannot_be_is_passed_over(
     assert _same(_weights(whole / "run" / "model"), _weights(out / "model")) <= 1e-6
 
 
+@pytest.mark.parametrize("best", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_checkpoint_whose_best_is_not_finite_is_resumed_from(
+    best: float, whole: Path, tiny_classifier: str, tmp_path: Path
+) -> None:
+    """An older memfit kept a first eval's NaN as the best, in every checkpoint after it: they
+    are whole (no best yet), not damaged."""
+    out = _copy(whole, tmp_path)
+    _as_if_killed_after(out, 6)
+    for step_dir in (out / "checkpoints").glob("step-*"):
+        _edit_state(step_dir, best=best)
+    result = train(_config(tiny_classifier, whole / "train.csv", out, resume=True))
+    assert result.stopped == "done" and result.steps == 8
+    assert not [e for e in _events(out) if e["type"] == "checkpoint_skipped"]
+    resumed = [e for e in _events(out) if e["type"] == "resume"]
+    assert Path(resumed[-1]["checkpoint"]).name == "step-6"
+    assert _same(_weights(whole / "run" / "model"), _weights(out / "model")) <= 1e-6
+
+
+def test_an_eval_that_is_not_finite_leaves_the_checkpoints_resumable(
+    whole: Path, tiny_classifier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first eval whose metric is NaN is no best: kept as one, every checkpoint after it wrote
+    "best": NaN, and a resume set them all aside and started over."""
+    from memfit.guard import Guard
+
+    real, calls = Guard.evaluate, [0]
+
+    def nan_first(guard: Guard, *args: Any, **kwargs: Any) -> dict[str, float]:
+        result: dict[str, float] = real(guard, *args, **kwargs)
+        calls[0] += 1
+        return {k: float("nan") for k in result} if calls[0] == 1 else result
+
+    monkeypatch.setattr(Guard, "evaluate", nan_first)
+    out, data = tmp_path / "run", whole / "train.csv"
+    train(_config(tiny_classifier, data, out, eval_file=str(data), eval_every=2))
+    monkeypatch.undo()
+    states = {n: ck.read_state(out / "checkpoints" / f"step-{n}") for n in (2, 4, 6)}
+    assert states[2]["best"] is None  # the NaN eval of step 2
+    assert all(isinstance(states[n]["best"], float) for n in (4, 6))
+    _as_if_killed_after(out, 6)
+    result = train(_config(tiny_classifier, data, out, eval_file=str(data), eval_every=2,
+                           resume=True))  # fmt: skip
+    assert result.stopped == "done" and result.steps == 8
+    assert not [e for e in _events(out) if e["type"] == "checkpoint_skipped"]
+    assert Path(_events_of(out, "resume")[-1]["checkpoint"]).name == "step-6"
+
+
+def _events_of(out: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in _events(out) if e["type"] == kind]
+
+
 # --- 11. a link in the run folder ------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["events.jsonl", "metrics.jsonl", "run.lock", "checkpoints"])
+@pytest.mark.parametrize("name", ["events.jsonl", "metrics.jsonl", "run.lock"])
 def test_a_link_in_the_run_folder_is_refused_and_its_target_untouched(
     name: str, whole: Path, tiny_classifier: str, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -307,6 +339,54 @@ def test_a_link_in_the_run_folder_is_refused_and_its_target_untouched(
     assert line.startswith(f"memfit: error: --output-dir: {out / name} is a symbolic link")
     assert {p: p.read_bytes() for p in kept} == kept
     assert not (out / "model").exists()
+
+
+def test_a_linked_checkpoints_folder_is_written_and_resumed_through(
+    whole: Path, tiny_classifier: str, tmp_path: Path
+) -> None:
+    """checkpoints/ on a scratch disk through a link (a user's choice): a resume reads and
+    writes the checkpoints there, as without the link."""
+    out = _copy(whole, tmp_path)
+    _as_if_killed_after(out, 6)
+    scratch = tmp_path / "scratch" / "checkpoints"
+    scratch.parent.mkdir()
+    shutil.move(out / "checkpoints", scratch)
+    (out / "checkpoints").symlink_to(scratch)
+    result = train(_config(tiny_classifier, whole / "train.csv", out, resume=True))
+    assert result.stopped == "done" and result.steps == 8
+    assert Path(_events_of(out, "resume")[-1]["checkpoint"]).name == "step-6"
+    assert (out / "checkpoints").is_symlink()
+    assert ck.completed_steps(scratch) == [2, 4, 6, 8]
+    assert ck.verify(scratch / "step-8") is None
+    assert _same(_weights(whole / "run" / "model"), _weights(out / "model")) <= 1e-6
+
+
+# --- 1b. a finished run resumed with its --model spelled otherwise -----------------------------------
+@pytest.mark.parametrize("spelling", ["relative-from-elsewhere", "a-copy"])
+def test_a_finished_run_resumed_with_its_model_spelled_otherwise_is_finished(
+    spelling: str, whole: Path, tiny_classifier: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The same folder spelled relative to the folder the run was started in, resumed from
+    another folder (the absolute path recorded at the start tells), or a copy of it (a Hub id's
+    local snapshot: its signature tells): "already finished", never "another model"."""
+    out = _copy(whole, tmp_path)
+    model = tiny_classifier
+    if spelling == "a-copy":
+        model = str(tmp_path / "snapshot")
+        shutil.copytree(tiny_classifier, model)
+    else:
+        # as if started as `--model ./tiny-classifier0` from the model's parent folder
+        run = json.loads((out / "run.json").read_text())
+        assert run["resolved"]["model_path"] == tiny_classifier
+        run["config"]["model"] = f"./{Path(tiny_classifier).name}"
+        (out / "run.json").write_text(json.dumps(run))
+        monkeypatch.chdir(tmp_path)
+    before = _tree(out)
+    code, err = _cli(_flags(model, whole / "train.csv", out, "--resume"), capsys)
+    assert code == 0, err
+    assert "already finished (8 steps" in err and "another model" not in err
+    assert _tree(out) == before
 
 
 # --- 12. a finished run whose model/ is gone --------------------------------------------------------

@@ -1,13 +1,13 @@
-"""Outputs never go over inputs, nor over files memfit did not write without ``--overwrite``
-(issue 30, item 3): ``predict``/``embed`` ``--output`` and ``--events``, ``plan --write-config``,
-``estimate --plot``. And a ``predict`` stopped by SIGTERM leaves no temporary file, and one under a
+"""Outputs never go over inputs, nor over files memfit cannot tell it wrote without
+``--overwrite`` (issue 30, item 3): ``predict``/``embed`` ``--output`` and ``--events``,
+``plan --write-config``, ``estimate --plot``. And a ``predict`` stopped by SIGTERM leaves no temporary file, and one under a
 cap below its weights says so in memfit's own line (item 14).
 
 An output that is an input (the same path, a symbolic or hard link to it, one file of an input
 folder, a new file inside a data folder) is refused with ``--overwrite`` or without: exit 2, one
 line naming the flag, the input byte for byte as it was and nothing new beside it. An existing
-file memfit did not write is refused unless ``--overwrite``; one memfit wrote (a rerun) is
-replaced. The refusals come before the model loads, so most cases take a fraction of a second.
+file memfit cannot tell it wrote is refused unless ``--overwrite``; one it knows as its own (a
+rerun) is replaced. The refusals come before the model loads, so most cases take a fraction of a second.
 """
 
 from __future__ import annotations
@@ -169,15 +169,20 @@ def test_events_is_never_the_input_nor_the_output(
     _unchanged(tmp_path, before)
 
 
-def test_events_is_never_a_file_of_the_model_folder(
+def test_nothing_is_written_inside_the_model_folder(
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Not over one of its files, and not a new file there (memfit's own output neither: a
+    run's model/ is replaced whole when it is published again), --overwrite or not."""
     data = _jsonl(tmp_path / "x.jsonl")
-    config = models["classifier"] / "config.json"
-    text = config.read_bytes()
-    argv = _predict(models, data, tmp_path / "p.jsonl", "--events", str(config), "--overwrite")
-    _refused(capsys, argv, "--events", "model folder")
-    assert config.read_bytes() == text
+    folder = models["classifier"]
+    before = _snapshot(folder)
+    argv = _predict(models, data, tmp_path / "p.jsonl", "--events", str(folder / "config.json"))
+    _refused(capsys, [*argv, "--overwrite"], "--events", "inside the model folder")
+    for extra in ([], ["--overwrite"]):
+        argv = _predict(models, data, folder / "p.jsonl", *extra)
+        _refused(capsys, argv, "--output", "inside the model folder", "never writes in")
+    _unchanged(folder, before)
 
 
 def test_write_config_over_the_training_data(
@@ -216,7 +221,7 @@ def test_output_over_a_fifo_is_refused_and_events_write_through_a_device(
     assert out.is_file()
 
 
-# --- an existing file memfit did not write: only with --overwrite; its own: replaced ----------------
+# --- an existing file memfit cannot tell it wrote: only with --overwrite; its own: replaced ----
 def test_predict_over_another_file_needs_overwrite_and_a_rerun_does_not(
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -250,9 +255,13 @@ def test_embed_npy_and_parquet_over_existing_files(
     code, _, err = run_cli(capsys, *_embed(models, data, matrix, "--overwrite"))
     assert code == 0, err
     assert np.load(matrix).shape == (ROWS, 32)
+    # memfit's own .npy too: a rerun needs --overwrite (the README's example says so)
+    before = _snapshot(tmp_path)
+    _refused(capsys, _embed(models, data, matrix), "--output", "--overwrite", "cannot tell")
+    _unchanged(tmp_path, before)
     table = _parquet(tmp_path / "theirs.parquet")
     before = _snapshot(tmp_path)
-    _refused(capsys, _embed(models, data, table), "--output", "memfit embed output")
+    _refused(capsys, _embed(models, data, table), "--output", "cannot tell", "memfit embed output")
     _unchanged(tmp_path, before)
     ours = tmp_path / "e.parquet"
     for _ in range(2):  # the second run replaces the first's file, marked as memfit's
@@ -268,7 +277,7 @@ def test_events_over_another_file_needs_overwrite(
     events.write_text("my notes\n")
     before = _snapshot(tmp_path)
     argv = _predict(models, data, tmp_path / "p.jsonl", "--events", str(events))
-    _refused(capsys, argv, "--events", "--overwrite")
+    _refused(capsys, argv, "--events", "--overwrite", "memfit cannot tell whether it wrote it")
     _unchanged(tmp_path, before)
 
 
@@ -279,7 +288,8 @@ def test_write_config_over_another_file_needs_overwrite(
     mine.write_text("model: mine\n")
     plan = ["plan", str(models["classifier"]), "--task", "classification", "--seq-len", "16"]
     plan += ["--effective-batch-size", "4", "--gpu-memory", "1GiB", "--json"]
-    _refused(capsys, [*plan, "--write-config", str(mine)], "--write-config", "--overwrite")
+    _refused(capsys, [*plan, "--write-config", str(mine)], "--write-config", "--overwrite",
+             "memfit cannot tell whether it wrote it")  # fmt: skip
     assert mine.read_text() == "model: mine\n"
     code, _, err = run_cli(capsys, *plan, "--write-config", str(mine), "--overwrite")
     assert code == 0, err
@@ -297,7 +307,8 @@ def test_estimate_plot_over_another_picture_needs_overwrite(
     picture.write_bytes(b"\x89PNG\r\n\x1a\n not memfit's")
     estimate = ["estimate", str(models["classifier"]), "--task", "classification"]
     estimate += ["--batch-size", "2", "--seq-len", "16", "--device", "cpu", "--json"]
-    _refused(capsys, [*estimate, "--plot", str(picture)], "--plot", "--overwrite")
+    _refused(capsys, [*estimate, "--plot", str(picture)], "--plot", "--overwrite",
+             "memfit cannot tell whether it wrote it")  # fmt: skip
     assert picture.read_bytes() == b"\x89PNG\r\n\x1a\n not memfit's"
     code, _, err = run_cli(capsys, *estimate, "--plot", str(picture), "--overwrite")
     assert code == 0, err

@@ -20,6 +20,10 @@ from typing import Any
 
 import pytest
 import torch
+from memfit_runs import classification_csv as _data
+from memfit_runs import events as _events
+from memfit_runs import max_difference as _same
+from memfit_runs import weights as _weights
 from safetensors.torch import load_file
 
 from memfit.cli import main
@@ -28,17 +32,6 @@ from memfit.train import TrainConfig, train
 from memfit.train.runfolder import LOCK_FILE, RunLock, lock_holder
 
 pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
-
-WORDS = [f"w{i}" for i in range(60)]
-
-
-def _data(path: Path, rows: int = 16) -> Path:
-    lines = ["text,label"]
-    for i in range(rows):
-        words = [WORDS[(i * 7 + k * 3) % 60] for k in range(4 + i % 5)]
-        lines.append(f"{' '.join(words)},{i % 2}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _flags(model: str, data: Path, out: Path, *extra: str) -> list[str]:
@@ -77,19 +70,6 @@ def _config(model: str, data: Path, out: Path, **knobs: Any) -> TrainConfig:
         quiet=True,
     )
     return TrainConfig(**(settings | knobs))
-
-
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / "model.safetensors"))
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-def _events(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
 
 
 def _tree(folder: Path) -> dict[str, int]:

@@ -27,11 +27,13 @@ bad rows, and the message says to add the markers.
 reaching out, not from looping or growing: two nested ``range(100000)`` loops run 10^10 times,
 ``'x' * 10**10`` asks for 10 GB. So the template runs in a process of its own
 (:mod:`memfit.data._render_child`, transformers' own renderer there), one conversation (all its
-renderings) at a time, within :data:`RENDER_SECONDS`, :data:`RENDER_MEMORY` of memory and
-:data:`RENDER_CHARS` characters per rendering; a conversation past a bound is a bad row that says
-which. A template that passes a bound on :data:`RENDER_GIVE_UP` rows and has rendered none is not
-run again: each later row is a bad row at once, saying so. Real templates (Llama 3, Qwen, Mistral,
-Gemma, Phi) render a conversation in milliseconds and a few kilobytes.
+renderings) at a time, within :data:`RENDER_SECONDS`, :data:`RENDER_CHARS` characters per
+rendering and, on Linux only, :data:`RENDER_MEMORY` of memory (macOS does not enforce the limit,
+Windows has none); a conversation past a bound is a bad row that says which. The process never
+outlives this one (see :mod:`memfit.data._render_child`). A template that passes a bound on
+:data:`RENDER_GIVE_UP` rows and has rendered none is not run again: each later row is a bad row at
+once, saying so. Real templates (Llama 3, Qwen, Mistral, Gemma, Phi) render a conversation in
+milliseconds and a few kilobytes.
 
 **Truncation** to ``max_seq_len`` cuts from the right: a completion (or the last turns of a chat)
 that runs past it is cut, its EOS with it. A row left with no token to learn from (the prompt,
@@ -46,9 +48,8 @@ import atexit
 import contextlib
 import json
 import os
+import queue
 import re
-import select
-import struct
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from memfit.data import _render_child
 from memfit.errors import MemfitError
 from memfit.units import format_bytes
 
@@ -479,12 +481,13 @@ class _Renderer:
     """The rendering process (:mod:`memfit.data._render_child`) of this process: started at the
     first chat row, restarted after a row that passed a bound, ended at exit."""
 
-    _HEADER = struct.Struct(">I")
-
     def __init__(self) -> None:
         self.owner = os.getpid()
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
+        # the process's replies, read by a thread of their own (a timed wait on a pipe that works
+        # everywhere: select() takes no pipes on Windows); None: its output ended
+        self.replies: queue.Queue[Any] = queue.Queue()
         self.stderr: IO[bytes] | None = None
         # per template: the rows past a bound, and whether any row rendered
         self.past: dict[str, int] = {}
@@ -496,7 +499,12 @@ class _Renderer:
         template = request["template"]
         size = len(json.dumps(request["messages"], ensure_ascii=False, default=str))
         memory = RENDER_MEMORY + 64 * size
-        request = {**request, "memory": memory, "chars": RENDER_CHARS + 4 * size}
+        request = {
+            **request,
+            "memory": memory,
+            "chars": RENDER_CHARS + 4 * size,
+            "seconds": RENDER_SECONDS,
+        }
         with self.lock:
             past = self.past.get(template, 0)
             if past >= RENDER_GIVE_UP and template not in self.rendered:
@@ -528,14 +536,12 @@ class _Renderer:
             )
 
     def _ask(self, request: dict[str, Any], clock: _Clock) -> dict[str, Any]:
-        data = json.dumps(request, ensure_ascii=False, default=str).encode("utf-8")
         started = time.monotonic()
         proc = self._running()
         clock.deadline += time.monotonic() - started  # the start is not the row's time
         assert proc.stdin is not None
         try:
-            proc.stdin.write(self._HEADER.pack(len(data)) + data)
-            proc.stdin.flush()
+            _render_child.send_frame(proc.stdin, request)
             return self._receive(clock.deadline)
         except TimeoutError:
             self._stop()
@@ -555,20 +561,18 @@ class _Renderer:
         if self.proc is not None and self.proc.poll() is None:
             return self.proc
         self._stop()
-        import memfit
-
-        root = str(Path(memfit.__file__).resolve().parent.parent)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - the process's, closed in _stop
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "memfit.data._render_child"],
+                _child_command(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self.stderr,
-                env=env,
             )
+            replies: queue.Queue[Any] = queue.Queue()
+            self.replies = replies
+            out = self.proc.stdout
+            threading.Thread(target=_pump, args=(out, replies), daemon=True).start()
             ready = self._receive(time.monotonic() + _START_SECONDS)
         except (OSError, TimeoutError, EOFError, ValueError) as exc:
             ready = {"failed": str(exc) or type(exc).__name__}
@@ -576,30 +580,20 @@ class _Renderer:
             tail = self._stderr_tail() or ready.get("failed")
             self._stop()
             raise MemfitError(
-                "memfit could not start its chat-template renderer (python -m "
-                f"memfit.data._render_child); its stderr ends with: {tail or '(nothing)'}"
+                f"memfit could not start its chat-template renderer ({_render_child.__file__}); "
+                f"its stderr ends with: {tail or '(nothing)'}"
             )
         assert self.proc is not None
         return self.proc
 
     def _receive(self, deadline: float) -> dict[str, Any]:
-        (size,) = self._HEADER.unpack(self._read(self._HEADER.size, deadline))
-        return dict(json.loads(self._read(size, deadline).decode("utf-8")))
-
-    def _read(self, count: int, deadline: float) -> bytes:
-        assert self.proc is not None and self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        parts: list[bytes] = []
-        while count > 0:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            part = os.read(fd, min(count, 1 << 20))
-            if not part:
-                raise EOFError
-            parts.append(part)
-            count -= len(part)
-        return b"".join(parts)
+        try:
+            reply = self.replies.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError from None
+        if reply is None:
+            raise EOFError
+        return dict(reply)
 
     def _stderr_tail(self) -> str:
         if self.stderr is None:
@@ -636,6 +630,25 @@ class _Renderer:
                 except (OSError, subprocess.TimeoutExpired):
                     pass
             self._stop()
+
+
+def _child_command() -> list[str]:
+    """The renderer's command: the script by its path, so that neither the current folder
+    (``python -m`` puts it first on ``sys.path``) nor memfit's own folders shadow the standard
+    library or Jinja there; ``-P`` says so from Python 3.11 (before, the script drops its folder)."""
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe, str(Path(_render_child.__file__)), str(os.getpid())]
+
+
+def _pump(stream: IO[bytes], replies: queue.Queue[Any]) -> None:
+    """Reads the renderer's replies into ``replies``; None when its output ends (or breaks)."""
+    try:
+        while (reply := _render_child.read_frame(stream)) is not None:
+            replies.put(reply)
+    except (OSError, ValueError):
+        pass
+    finally:
+        replies.put(None)
 
 
 class _TemplateError(Exception):

@@ -116,25 +116,18 @@ def load(loader: Callable[..., T], folder: Path, **kwargs: Any) -> T:
     """``loader(folder, **kwargs)`` with no remote code and no download; a load that fails, or
     leaves part of the model's body to random weights, is one line naming MODEL_DIR (the checks
     and the lines are memfit train's: :mod:`memfit.models.folder`)."""
-    from memfit.models.folder import check_for_loader, check_loaded, load_failure, recorded_loads
+    from memfit.models.folder import check_for_loader, load_checked
 
     quiet_transformers()
     # the config, tokenizer files and weights' headers first (the checks memfit train makes)
     check_for_loader(loader, folder, "MODEL_DIR", without="the outputs would be random")
-    try:
-        with recorded_loads() as loaded:
-            result = loader(str(folder), trust_remote_code=False, local_files_only=True, **kwargs)
-    except Exception as exc:
-        # an unsafe pickle, remote code or not a model (OSError, ValueError), weights that do
-        # not fit the config (RuntimeError); anything else is a bug, raised
-        message = load_failure(exc, str(folder), "MODEL_DIR")
-        if message is None:
-            raise
-        raise UsageError(message) from None
-    for model, info in loaded:
-        # a head the folder lacks is load_predict_model's to refuse (it names the task)
-        check_loaded(model, info, str(folder), "MODEL_DIR", without="the outputs would be random")
-    return result
+    # a head the folder lacks passes here: load_predict_model refuses it (it names the task)
+    return load_checked(
+        lambda: loader(str(folder), trust_remote_code=False, local_files_only=True, **kwargs),
+        str(folder),
+        "MODEL_DIR",
+        without="the outputs would be random",
+    )
 
 
 def load_predict_model(folder: Path, task: str) -> Any:

@@ -18,7 +18,7 @@ and any exception: the output is whole or absent. A signal that arrives while th
 is renamed into place waits for the rename.
 
 :func:`destination_problems`: ``--output`` and ``--events`` are never an input, never one file,
-and never an existing file memfit did not write unless ``--overwrite``
+and never an existing file memfit cannot tell it wrote unless ``--overwrite``
 (:func:`memfit.paths.destination_problems`).
 """
 
@@ -72,18 +72,100 @@ def check_output(path: str | Path, suffixes: tuple[str, ...]) -> list[str]:
 
 
 # --- what memfit wrote ------------------------------------------------------------------------
-# the keys of a memfit predict record, one of which its first line holds after "row": 0
-_PREDICT_KEYS = ("label", "labels", "score", "scores", "loss")
+# the keys of a memfit predict record after "row" (and the id column, where the input has one), in
+# the order memfit.infer.predict writes them: one layout per kind of model
+_PREDICT_LAYOUTS = (
+    ("label", "label_id", "probabilities"),  # a classifier
+    ("label", "label_id", "labels", "probabilities"),  # a multi-label classifier
+    ("score",),  # a regression head of one output
+    ("scores",),  # a regression head of several
+    ("loss", "perplexity", "tokens"),  # a causal LM
+)
 
 
 def _predict_output(path: Path) -> bool:
-    """A file memfit predict wrote: its first line is a record whose first key is ``"row": 0``."""
-    record = first_json_record(path)
+    """A file memfit predict wrote: every whole line in its first :data:`~memfit.paths.
+    HEAD_BYTES` is one of its records (:func:`_predict_record`), the n-th with ``"row": n`` and
+    all with the same keys in the same order.
+
+    A JSON Lines file of the user's passes only where it has exactly that shape (``row``
+    counting from 0 on every line, at most one other key before a layout of
+    :data:`_PREDICT_LAYOUTS`, values of the types memfit writes there): a file of
+    ``{"row": 0, "label": "pos", "text": …}`` lines is not memfit's."""
+    with open(path, "rb") as handle:
+        head = handle.read(paths.HEAD_BYTES)
+    # the last piece is cut at HEAD_BYTES, or empty after the last newline: memfit ends each
+    # line with one
+    lines = head.split(b"\n")[:-1]
+    keys: list[str] | None = None
+    for number, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return False
+        if not isinstance(record, dict) or not _predict_record(record, number):
+            return False
+        if keys is None:
+            keys = list(record)
+        elif list(record) != keys:
+            return False
+    return keys is not None
+
+
+def _predict_record(record: dict[str, Any], number: int) -> bool:
+    """``record`` is the line memfit predict writes for input row ``number``: ``row``, the id
+    (a string or a number) where the input has one, then the keys of a layout with their types."""
+    keys = list(record)
+    if not keys or keys[0] != "row" or not _whole(record["row"]) or record["row"] != number:
+        return False
+    rest = keys[1:]
+    for layout in _PREDICT_LAYOUTS:
+        if rest[-len(layout) :] == list(layout) and len(rest) - len(layout) in (0, 1):
+            break
+    else:
+        return False
+    if len(rest) > len(layout):
+        value = record[rest[0]]  # the id, copied from the input as it was
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            return False
+    return _predict_values(record, layout)
+
+
+def _predict_values(record: dict[str, Any], layout: tuple[str, ...]) -> bool:
+    """The values of ``layout``'s keys have the types memfit predict gives them."""
+    if layout[0] == "label":
+        probabilities = record["probabilities"]
+        label = record["label"]
+        if not (_floats(probabilities) and isinstance(label, str) and label in probabilities):
+            return False
+        if not (_whole(record["label_id"]) and record["label_id"] >= 0):
+            return False
+        labels = record.get("labels", [])
+        return isinstance(labels, list) and all(
+            isinstance(n, str) and n in probabilities for n in labels
+        )
+    if layout == ("score",):
+        return isinstance(record["score"], float)
+    if layout == ("scores",):
+        return _floats(record["scores"])
+    loss, perplexity, tokens = record["loss"], record["perplexity"], record["tokens"]
+    if not _whole(tokens):
+        return False
+    if loss is None:  # a row of one token: nothing predicted
+        return perplexity is None and tokens == 0
+    return isinstance(loss, float) and isinstance(perplexity, float) and tokens >= 1
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _floats(value: Any) -> bool:
+    """A non-empty object of names to floats (a record's ``probabilities``/``scores``)."""
     return (
-        record is not None
-        and next(iter(record)) == "row"
-        and record["row"] == 0
-        and any(key in record for key in _PREDICT_KEYS)
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(v, float) for v in value.values())
     )
 
 
@@ -119,7 +201,7 @@ def destination_problems(
 ) -> list[str]:
     """Why ``--output`` or ``--events`` must not be written (:func:`memfit.paths.
     destination_problems`): an input (``--file``'s files or folder, the model folder), one file
-    for both, or an existing file memfit did not write without ``--overwrite``."""
+    for both, or an existing file memfit cannot tell it wrote without ``--overwrite``."""
     try:
         files = [source.path for source in resolve_sources(file, "--file")]
     except UsageError:

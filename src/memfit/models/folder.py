@@ -12,6 +12,8 @@ report of every transformers model a loader makes (``SentenceTransformer`` makes
 :func:`check_loaded` refuses a model whose body the weights did not fill (transformers initializes
 the rest at random and only logs it: a weights file of another model, a ``config.json`` given more
 layers than were saved); :func:`load_failure` is the one line for a load that raised.
+:func:`load_checked` is the three together, as ``memfit train`` and ``memfit predict``/``embed``
+load.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import PretrainedConfig
 
 from memfit.errors import UsageError
 from memfit.models.registry import _folder_config, _load_config
+
+T = TypeVar("T")
 
 # what transformers' from_pretrained reads weights from (single files, then sharded indexes)
 SAFETENSORS = "model.safetensors"
@@ -252,6 +256,38 @@ def check_loaded(
     return sorted(head | set(missing), key=_natural)
 
 
+def load_checked(
+    load: Callable[[], T],
+    folder: str,
+    flag: str,
+    *,
+    without: str,
+    not_found: Callable[[OSError], str] | None = None,
+) -> T:
+    """``load()`` (a loader reading ``folder``, bound to its arguments), its failure and its
+    outcome checked: a load that raises for a reason of the folder's is one line naming ``flag``
+    (:func:`load_failure`; with ``not_found``, an ``OSError`` is its line instead: a Hub id
+    that is nowhere), and a model whose body the weights did not fill is refused
+    (:func:`check_loaded`, ``without`` saying what its random tensors would do). A new task
+    head passes: the caller decides (training starts it, ``memfit predict`` refuses it)."""
+    try:
+        with recorded_loads() as loaded:
+            result = load()
+    except Exception as exc:
+        # an unsafe pickle, remote code or not a model (OSError, ValueError), weights that do
+        # not fit the config (RuntimeError); anything else is a bug, raised
+        if not_found is not None and isinstance(exc, OSError):
+            message: str | None = not_found(exc)
+        else:
+            message = load_failure(exc, folder, flag)
+        if message is None:
+            raise
+        raise UsageError(message) from None
+    for model, info in loaded:
+        check_loaded(model, info, folder, flag, without=without)
+    return result
+
+
 def _in_head(model: Any, key: str) -> bool:
     """Whether ``key`` is a tensor of a task head on top of the base model (a classifier, an LM
     or score layer, the pooler: a checkpoint saved for masked-LM has none), not of its body."""
@@ -354,6 +390,7 @@ __all__ = [
     "check_loaded",
     "check_tokenizer",
     "check_weights",
+    "load_checked",
     "load_failure",
     "loads",
     "mismatch_message",

@@ -12,6 +12,7 @@ error's message says.
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -86,13 +87,33 @@ def eval_lines(metrics: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [m for m in metrics if "step" in m and any(k.startswith("eval_") for k in m)]
 
 
+# a figure beyond this is placed nowhere on an axis (matplotlib's ticks overflow near a float's
+# largest, and a loss or perplexity may be any float): drawn as inf is, not at all
+_DRAWN = 1e300
+
+
 def _series(lines: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
     points = [
-        (float(m["step"]), float(m[key]))
+        (float(m["step"]), _drawn(float(m[key])))
         for m in lines
         if isinstance(m.get(key), int | float) and not isinstance(m.get(key), bool)
     ]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def _drawn(value: float) -> float:
+    """``value``, or ±inf past :data:`_DRAWN` (NaN stays NaN)."""
+    return math.copysign(math.inf, value) if math.isfinite(value) and abs(value) > _DRAWN else value
+
+
+def _last(lines: Sequence[Mapping[str, Any]], key: str) -> float:
+    """The last figure of ``key`` as written (a legend's "last", never the drawn ±inf)."""
+    values = [
+        m[key]
+        for m in lines
+        if isinstance(m.get(key), int | float) and not isinstance(m.get(key), bool)
+    ]
+    return float(values[-1])
 
 
 def _event_label(event: Mapping[str, Any]) -> str:
@@ -509,7 +530,9 @@ def eval_scores(metrics: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[s
     others: list[str] = []
     for key in keys:
         _, ys = _series(lines, key)
-        (scores if ys and all(0.0 <= y <= 1.0 for y in ys) else others).append(key)
+        if not ys:
+            continue  # null in every line that has it: nothing to draw
+        (scores if all(0.0 <= y <= 1.0 for y in ys) else others).append(key)
     return scores, others
 
 
@@ -602,7 +625,7 @@ def _draw_eval(eval_ax: Axes, evals: Sequence[Mapping[str, Any]]) -> None:
             ms=ms,
             fillstyle=fill,
             mew=1.5,
-            label=f"{key.removeprefix('eval_')} (last {ey[-1]:.3f})",
+            label=f"{key.removeprefix('eval_')} (last {_last(evals, key):.3f})",
             gid=key,
             zorder=3 + index,  # the later (hollow, smaller) markers on top
         )
@@ -622,7 +645,7 @@ def _draw_eval(eval_ax: Axes, evals: Sequence[Mapping[str, Any]]) -> None:
                 ls="--",
                 marker="xP*"[index % 3],
                 ms=7,
-                label=f"{key.removeprefix('eval_')} (last {ey[-1]:.3g}, right axis)",
+                label=f"{key.removeprefix('eval_')} (last {_last(evals, key):.3g}, right axis)",
                 gid=key,
             )
         other_ax.set_ylabel(", ".join(k.removeprefix("eval_") for k in others))

@@ -5,7 +5,9 @@ run killed mid-write leaves half a line, and a hand (or a tool) may have edited 
 the report, the plots and the doctor read is checked here against what memfit train writes (a
 whole number of bytes or rows not below 0 and within reason, a finite number, a string, a flag,
 null where the writer leaves it out): the readers then never meet ``Infinity`` in a byte count,
-a list for a micro-batch or a 400-digit step.
+a list for a micro-batch or a 400-digit step. An event's fields are checked by its type: the
+same name means another thing in another event (``from``/``to`` are micro-batch sizes in a
+``backoff``, learning rates in an ``lr`` event).
 
 * A line of ``metrics.jsonl`` or ``events.jsonl`` that does not parse, is not a JSON object, or
   holds a field that is not what memfit writes is skipped, and a note names the file, the line
@@ -30,6 +32,9 @@ from typing import Any
 MAX_BYTES = 2**60
 MAX_COUNT = 2**53
 MAX_NUMBER = 1e300
+# a size the user gave (--memory-cap, --gpu-memory take any number of bytes): far above any
+# memory there is, and still a figure the page draws and writes out
+MAX_GIVEN = 2**100
 # a note lists this many bad lines of a file, then counts the rest
 _LISTED = 5
 
@@ -64,10 +69,13 @@ def size(value: Any) -> str | None:
 
 
 def sizes(value: Any) -> str | None:
-    """One number of bytes per rank (``rank_peak_bytes``)."""
-    if isinstance(value, list) and all(size(v) is None for v in value):
+    """One number of bytes per rank (``rank_peak_bytes``), null for a rank that had no figure
+    (memfit train's ``_gather``: a rank whose device reports no peak)."""
+    if isinstance(value, list) and all(v is None or size(v) is None for v in value):
         return None
-    return f"{_shown(value)} is not a list of numbers of bytes (whole numbers from 0 to 2^60)"
+    return (
+        f"{_shown(value)} is not a list of numbers of bytes (whole numbers from 0 to 2^60, or null)"
+    )
 
 
 def size_or_sizes(value: Any) -> str | None:
@@ -75,19 +83,28 @@ def size_or_sizes(value: Any) -> str | None:
     return sizes(value) if isinstance(value, list) else size(value)
 
 
+def _within(value: Any) -> bool:
+    """A float (JSON's floats are all within a float's range), or an int a float holds: the
+    readers draw and compare them as floats, and a 400-digit int does not convert."""
+    return isinstance(value, float) or abs(value) <= MAX_NUMBER
+
+
 def non_negative(value: Any) -> str | None:
-    """A finite number ≥ 0 (seconds, a learning rate, a rate)."""
-    if _is_number(value) and _finite(value) and 0 <= value <= MAX_NUMBER:
+    """A finite number ≥ 0 (seconds, a learning rate, a rate): any finite float (``--lr`` takes
+    any finite number above 0)."""
+    if _is_number(value) and _finite(value) and value >= 0 and _within(value):
         return None
     return f"{_shown(value)} is not a finite number ≥ 0"
 
 
 def measured(value: Any) -> str | None:
-    """A training figure (a loss, a gradient norm, an eval metric): a number, NaN and ±inf
-    included (memfit train logs a step whose loss is not finite before it stops), not huge."""
-    if _is_number(value) and (not _finite(value) or abs(value) <= MAX_NUMBER):
+    """A training figure (a loss, a gradient norm, an eval metric): any float, negative, NaN and
+    ±inf included (an fp16 run logs the steps its loss scaler skips, whose loss is not finite;
+    an eval perplexity is ``exp(loss)``, up to a float's largest, then inf), or an int a float
+    holds."""
+    if _is_number(value) and _within(value):
         return None
-    return f"{_shown(value)} is not a number (within ±1e300)"
+    return f"{_shown(value)} is not a number (an int within ±1e300, or a float)"
 
 
 def text(value: Any) -> str | None:
@@ -145,15 +162,15 @@ METRICS: dict[str, Check] = {
 }
 _METRICS_NOT_NULL = frozenset({"step"})
 
-# events.jsonl: the guard's and the loop's events (``step`` is null where the guard had none)
+# events.jsonl, any event: the fields the readers read whatever the event's type (the plots place
+# events by ``step``; the doctor and the page read the sizes) and the time and rank on each line.
+# ``step`` is null where the guard had none (an eval's OOM)
 EVENTS: dict[str, Check] = {
     "type": text,
     "time": non_negative,
     "step": COUNT,
     "rank": COUNT,
     "micro_batch_size": COUNT,
-    "from": COUNT,
-    "to": COUNT,
     "rows": COUNT,
     "longest_tokens": COUNT,
     "ooms": COUNT,
@@ -173,6 +190,42 @@ EVENTS: dict[str, Check] = {
     "cause": text,
 }
 _EVENTS_NOT_NULL = frozenset({"type"})
+
+# each type's own fields, as its writers emit them (over EVENTS where a name differs): the guard
+# (memfit.guard.guard, memfit.guard.policy), the training loop (memfit.train.loop, .setup,
+# .memory), the Trainer integrations' memfit_events.jsonl (memfit.integrations, the same shape),
+# predict/embed --events (memfit.infer.run). A field a type's writers do not write falls back
+# to EVENTS; a field neither names is not read, and kept as it is
+_GUARD_SIZES: dict[str, Check] = {"from": COUNT, "to": COUNT}
+EVENT_TYPES: dict[str, dict[str, Check]] = {
+    # the guard: micro-batch (or GradCache mini-batch) sizes, token budgets
+    "oom": {"mini_batch_size": COUNT},
+    "backoff": {**_GUARD_SIZES, "loss": text},
+    "grow": _GUARD_SIZES,
+    "stop": {},
+    # the loop
+    "probe": {},
+    "resume": {"checkpoint": text},
+    # a resume's --lr: the schedule's old peak learning rate and the new one (floats)
+    "lr": {"from": non_negative, "to": non_negative},
+    "checkpoint": {"path": text},
+    "checkpoint_skipped": {"checkpoint": text, "moved_to": text},
+    "skip": {},
+    "not_finite": {"problems": strings},
+    "eval": {},  # eval_* figures
+    "lock": {},
+    "memory_snapshot": {"path": text},
+    # predict / embed --events
+    "plan": {"batch_size": POSITIVE, "source": text},
+    "done": {"batch_size": POSITIVE, "backoffs": COUNT},
+}
+
+
+def event_schema(kind: Any) -> Mapping[str, Check]:
+    """The fields of an event of type ``kind`` and their checks (EVENTS for another type)."""
+    own = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    return {**EVENTS, **own} if own else EVENTS
+
 
 # run.json: the sections the readers use, and the fields of each they read
 RUN_SECTIONS: dict[str, dict[str, Check]] = {
@@ -194,11 +247,12 @@ RUN_SECTIONS: dict[str, dict[str, Check]] = {
         "max_seq_len": POSITIVE,
         "num_labels": POSITIVE,
         "world_size": POSITIVE,
-        "lora_rank": POSITIVE,
+        "lora_rank": COUNT,  # 0: full fine-tuning (--lora-rank 0)
         "lora_target_modules": strings,
         "labels": strings,
-        "memory_cap": count(1, MAX_BYTES),
-        "gpu_memory": count(1, MAX_BYTES),
+        # sizes as the user gave them, beyond the measured ones' bound
+        "memory_cap": count(1, MAX_GIVEN),
+        "gpu_memory": count(1, MAX_GIVEN),
     },
     "resolved": {
         "device": text,
@@ -208,7 +262,9 @@ RUN_SECTIONS: dict[str, dict[str, Check]] = {
         "micro_batch_size": POSITIVE,
         "train_rows": COUNT,
         "world_size": POSITIVE,
-        "seq_len": POSITIVE,
+        # the padded width of the longest row: 0 where that row has no token (the readers take
+        # a positive one only)
+        "seq_len": COUNT,
         "longest_tokens": COUNT,
         "pad_to_multiple_of": POSITIVE,
     },
@@ -260,9 +316,8 @@ class Lines:
 def read_jsonl(path: Path, kind: str) -> Lines:
     """The lines of ``metrics.jsonl`` (``kind="metrics"``) or ``events.jsonl`` (``"events"``)
     that are what memfit writes; the others are in ``bad``, with why."""
-    schema, not_null = (
-        (METRICS, _METRICS_NOT_NULL) if kind == "metrics" else (EVENTS, _EVENTS_NOT_NULL)
-    )
+    metrics = kind == "metrics"
+    not_null = _METRICS_NOT_NULL if metrics else _EVENTS_NOT_NULL
     found = Lines()
     for number, line in enumerate(
         path.read_text(encoding="utf-8", errors="replace").splitlines(), 1
@@ -280,6 +335,7 @@ def read_jsonl(path: Path, kind: str) -> Lines:
         if not isinstance(row, dict):
             found.bad.append((number, "not a JSON object"))
             continue
+        schema = METRICS if metrics else event_schema(row.get("type"))
         problem = line_problem(row, schema, not_null)
         if problem:
             found.bad.append((number, problem))

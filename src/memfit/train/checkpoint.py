@@ -289,10 +289,10 @@ def state_problem(
     if step != number:
         return f"{STATE_FILE}: step {step} in the checkpoint of step {number}"
     best = state.get("best")
-    if best is not None and (
-        isinstance(best, bool) or not isinstance(best, int | float) or not math.isfinite(best)
-    ):
-        return f"{STATE_FILE}: best is {best!r}, not a finite metric"
+    if best is not None and (isinstance(best, bool) or not isinstance(best, int | float)):
+        # NaN or inf is a metric memfit wrote (before it passed over an eval that was not
+        # finite): no best yet (:func:`saved_best`), not damage
+        return f"{STATE_FILE}: best is {best!r}, not a metric"
     if rows is None or per_step is None or rows <= 0 or per_step <= 0:
         return None
     # each step takes the next per_step rows of its epoch's order (the last one what is left);
@@ -309,21 +309,41 @@ def state_problem(
     return None
 
 
+def saved_best(state: dict[str, Any]) -> float | None:
+    """The best eval metric a checkpoint recorded, or None: none yet, or one that is not finite
+    (an older memfit kept a first eval's NaN as the best, which no later eval could beat)."""
+    best = state.get("best")
+    if isinstance(best, bool) or not isinstance(best, int | float) or not math.isfinite(best):
+        return None
+    return float(best)
+
+
 def weights_problem(path: Path) -> str | None:
     """Why the weights of checkpoint ``path`` cannot be trained on, or None: a tensor that holds
-    NaN or inf (the next step's loss would be NaN, whatever --lr). Read one tensor at a time."""
+    NaN or inf (the next step's loss would be NaN, whatever --lr). Read one tensor at a time,
+    each told by :func:`finite` (no copy of it)."""
     with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
         for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-            tensor = handle.get_tensor(name)
-            if not tensor.is_floating_point():
-                continue
-            try:
-                finite = bool(torch.isfinite(tensor).all())
-            except (RuntimeError, TypeError):  # a dtype isfinite does not take (float8)
-                continue
-            if not finite:
+            if not finite(handle.get_tensor(name)):
                 return f"its weights are not finite (NaN or inf in {name})"
     return None
+
+
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite, told by its smallest and largest (NaN is
+    both): two scalars, never a copy of the tensor (a checkpoint under a tight --memory-cap, the
+    stop when even micro-batch 1 does not fit, a resume's check of a large model allocate
+    nothing here). Integers always are; an empty tensor holds nothing that is not."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    try:
+        low, high = torch.aminmax(tensor)
+    except RuntimeError:  # a dtype aminmax does not take here
+        try:
+            return bool(torch.isfinite(tensor).all())
+        except (RuntimeError, TypeError):  # nor isfinite (float8): it cannot be told
+            return True
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def read_state(path: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -70,7 +71,7 @@ class TrainingRun(RunSetup):
         if picked is not None:
             resume_from, state = picked
             self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
-            self.samples_seen, self.best = state["samples_seen"], state.get("best")
+            self.samples_seen, self.best = state["samples_seen"], ck.saved_best(state)
             self.resumed_at = self.step
             self.on_event(
                 {
@@ -197,6 +198,11 @@ class TrainingRun(RunSetup):
                 "backend": ranks.backend if ranks is not None else None,
                 # a fine-tuned classifier's head: kept (same labels) or replaced (said on stderr)
                 "classifier_head": getattr(self.recipe, "head_note", None),
+                # which model: a --resume spelling --model otherwise is checked against them
+                "model_path": os.path.abspath(self.cfg.model)
+                if os.path.isdir(self.cfg.model)
+                else None,
+                "model_signature": self.model_signature,
             },
             "plan": self.planned,
             "versions": versions(),
@@ -528,8 +534,9 @@ class TrainingRun(RunSetup):
         )
 
     def weights_finite(self) -> bool:
-        """Whether every trained weight is finite (on every rank)."""
-        finite = all(_finite(_local(p).detach()) for p in self.params)
+        """Whether every trained weight is finite (on every rank): each rank looks at its own
+        part (an FSDP shard, a ZeRO-3 partition), and they agree."""
+        finite = all(ck.finite(_local(p).detach()) for p in self.params)
         if self.ranks is not None:
             finite = not self.ranks.anyone(not finite)
         return finite
@@ -663,10 +670,7 @@ class TrainingRun(RunSetup):
         if self.main:
             self.on_event({"type": "eval", "step": self.step, **metrics})
         value = result.get(recipe.metric)
-        best = self.best
-        if value is not None and (
-            best is None or (value > best if recipe.greater_is_better else value < best)
-        ):
+        if better(value, self.best, greater=recipe.greater_is_better):
             self.best = value
             self.save_model(self.out / "best")
         return result
@@ -791,6 +795,15 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def better(value: float | None, best: float | None, *, greater: bool) -> bool:
+    """Whether the eval metric ``value`` is a new best. One that is not finite never is: kept
+    as the best, NaN would beat no later eval (every comparison with it is false) and make the
+    checkpoints' ``best`` NaN."""
+    if value is None or not math.isfinite(value):
+        return False
+    return best is None or (value > best if greater else value < best)
+
+
 def _rng_state(device: torch.device) -> dict[str, Any]:
     import random
 
@@ -840,21 +853,13 @@ def _int_or_none(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _finite(tensor: torch.Tensor) -> bool:
-    """Whether every value of ``tensor`` is finite, told by its smallest and largest (NaN is
-    both): two scalars, never a copy of the tensor (a checkpoint under a tight --memory-cap, the
-    stop when even micro-batch 1 does not fit, allocates nothing here)."""
-    if tensor.numel() == 0:  # a ZeRO-3 placeholder: its values are DeepSpeed's partitions
-        return True
-    try:
-        low, high = torch.aminmax(tensor)
-    except RuntimeError:  # a dtype aminmax does not take here
-        return bool(torch.isfinite(tensor).all())
-    return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (an FSDP shard is a DTensor: its local tensor)."""
+    """This rank's part of a tensor: an FSDP shard is a DTensor (its local tensor); a DeepSpeed
+    ZeRO-3 parameter is an empty placeholder outside a forward, its values in ``ds_tensor``
+    (this rank's partition)."""
+    partition = getattr(tensor, "ds_tensor", None)
+    if isinstance(partition, torch.Tensor):
+        return partition
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
 

@@ -4,7 +4,8 @@ A resume must find each step holding the samples it held before: the settings th
 (:data:`STEP_FLAGS`, the rows and their lengths) are recorded in each checkpoint and in run.json,
 and a resume with other ones is refused. So is one whose weights do not fit --model (each
 checkpoint records its model's signature; an older one's loading says it): another model is a
-setting of the resume, never a damaged checkpoint. The newest checkpoint that verifies, holds
+setting of the resume, never a damaged checkpoint. A --model spelled otherwise (another path to
+the folder, a Hub id for its local copy) is the same model when its signature is. The newest checkpoint that verifies, holds
 counts memfit writes and finite weights, and loads is taken; a damaged one is set aside. A
 finished run has nothing to resume (unless it is asked to train longer, or its model/ is gone).
 """
@@ -33,10 +34,12 @@ STEP_FLAGS = {
 
 def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
     """With --resume, the result of a run that finished in the folder with these settings and
-    length (nothing to redo), else None. Other settings that decide the steps are refused, and so
-    is another --model (unless a longer run goes on from checkpoints, which check it). A finished
-    run whose model/ is gone is None too: it goes on from its newest checkpoint and writes it."""
-    from memfit.train import checkpoint as ck
+    length (nothing to redo), else None. Other settings that decide the steps are refused. A
+    --model spelled otherwise than the run's (another path to its folder, a Hub id for its local
+    copy) is told by the model's signature once it is loaded (:func:`finished_model`,
+    :func:`refuse_another_finished`); without a recorded signature it is refused, saying that.
+    A finished run whose model/ is gone is None too: it goes on from its newest checkpoint and
+    writes it."""
     from memfit.train import runfolder
 
     out = Path(cfg.output_dir)
@@ -50,26 +53,17 @@ def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
             f"which samples each step holds: {'; '.join(changed)}. Start a new run in "
             "another folder (--model on its model/ to train it further)"
         )
-    longer = _longer(runfolder.run_config(out), cfg)
     saved_model = (runfolder.run_config(out) or {}).get("model")
-    if (
-        isinstance(saved_model, str)
-        and not same_model(saved_model, cfg.model)
-        and not (longer and ck.completed_steps(out / "checkpoints"))
-    ):
-        # a finished run is not loaded (to go on from its checkpoints, whose recorded model is
-        # checked against --model's, is the longer run's way): its model/ is the other model's
-        fix = (
-            "To train its model further, start a new run in another folder with --model "
-            f"{out / 'model'}"
-            if runfolder.model_present(out)
-            else f"Its model/ is missing: resume with --model {saved_model} to write it again"
-        )
+    if _model_to_check(cfg, out) and recorded_model(out) is None:
+        # a run of a memfit that recorded no signature, and no checkpoint that does: the two
+        # spellings may name one model or two, and a finished run is not loaded to find out
         raise UsageError(
-            f"--resume: the run in {cfg.output_dir} finished training --model {saved_model}, "
-            f"not --model {cfg.model}: there is nothing of it to resume with another model. {fix}"
+            f"--resume: the run in {cfg.output_dir} finished training --model {saved_model}; "
+            f"whether --model {cfg.model} is the same model memfit cannot tell (the run "
+            "recorded no signature of its model). Resume with --model "
+            f"{saved_model}, as the run was started, or start a new run in another folder"
         )
-    if longer:
+    if _longer(runfolder.run_config(out), cfg):
         return None  # more epochs or steps: train on from the newest checkpoint
     if not runfolder.model_present(out):
         # its model/ was removed: the run goes on from its newest checkpoint and writes it again
@@ -78,9 +72,100 @@ def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
     return done
 
 
-def same_model(saved: str, now: str) -> bool:
-    """Whether --model ``now`` names the model the run was started with, ``saved`` (the same
-    text, or the same folder by another path)."""
+def _model_to_check(cfg: TrainConfig, out: Path) -> bool:
+    """Whether the finished run in ``out`` was started with a --model that this one may not be:
+    spelled otherwise, and not the same folder. A longer run that goes on from checkpoints is
+    not: each checkpoint's recorded model is checked against --model's when it is loaded."""
+    from memfit.train import checkpoint as ck
+    from memfit.train import runfolder
+
+    config = runfolder.run_config(out) or {}
+    saved = config.get("model")
+    if not isinstance(saved, str) or same_model(saved, cfg.model, _recorded_path(out)):
+        return False
+    return not (_longer(config, cfg) and ck.completed_steps(out / "checkpoints"))
+
+
+def finished_model(cfg: TrainConfig) -> dict[str, Any] | None:
+    """With --resume of a finished run started with a --model spelled otherwise (another path
+    to its folder, a Hub id for its local copy): the model signature it recorded, which
+    --model's must equal once loaded (:func:`refuse_another_finished`). None: nothing to check
+    (no finished run, or the same --model)."""
+    out = Path(cfg.output_dir)
+    if not cfg.resume or not _model_to_check(cfg, out):
+        return None
+    from memfit.train import runfolder
+
+    return recorded_model(out) if runfolder.finished(out) is not None else None
+
+
+def recorded_model(out: Path) -> dict[str, Any] | None:
+    """The signature of the model the run in ``out`` trained (:func:`memfit.train.checkpoint.
+    model_signature`): run.json's, else its newest checkpoint's that records one, else None (a
+    run of a memfit that recorded none)."""
+    from memfit.train import checkpoint as ck
+
+    try:
+        run = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        saved = run["resolved"]["model_signature"]
+        if isinstance(saved, dict) and isinstance(saved.get("digest"), str):
+            return saved
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for number in reversed(ck.completed_steps(out / "checkpoints")):
+        try:
+            saved = ck.read_state(out / "checkpoints" / f"step-{number}").get("model")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(saved, dict) and isinstance(saved.get("digest"), str):
+            return saved
+    return None
+
+
+def refuse_another_finished(cfg: TrainConfig, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """A UsageError if --model (its signature ``now``, loaded) is not the model the finished run
+    in the folder trained (``saved``): a finished run is not loaded (to go on from its
+    checkpoints is the longer run's way), so its model/ is the other model's."""
+    from memfit.train import runfolder
+
+    detail = other_model(saved, now)
+    if detail is None:
+        return
+    out = Path(cfg.output_dir)
+    started = (runfolder.run_config(out) or {}).get("model") or saved.get("name")
+    fix = (
+        "To train its model further, start a new run in another folder with --model "
+        f"{out / 'model'}"
+        if runfolder.model_present(out)
+        else f"Its model/ is missing: resume with --model {started} to write it again"
+    )
+    raise UsageError(
+        f"--resume: the run in {cfg.output_dir} finished training --model {started}, not "
+        f"--model {cfg.model} ({detail}): there is nothing of it to resume with another model. "
+        f"{fix}"
+    )
+
+
+def _recorded_path(out: Path) -> str | None:
+    """The absolute path of the --model folder the run in ``out`` was started with (run.json),
+    or None (a Hub id, or a run of a memfit that recorded none)."""
+    try:
+        run = json.loads((out / "run.json").read_text(encoding="utf-8"))
+        path = run["resolved"]["model_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if isinstance(path, str) else None
+
+
+def same_model(saved: str, now: str, recorded_path: str | None = None) -> bool:
+    """Whether --model ``now`` surely names the model the run was started with, ``saved``: the
+    folder whose absolute path the run recorded at its start (the same text from another
+    folder may be another model), else the same text, or the same folder by another path."""
+    if recorded_path is not None and os.path.exists(now):
+        try:
+            return os.path.samefile(recorded_path, now)
+        except OSError:  # the recorded folder is gone: the signature tells
+            return False
     if saved == now:
         return True
     try:

@@ -28,7 +28,7 @@ from memfit.train.config import TrainConfig, TrainResult
 from memfit.train.console import say
 from memfit.train.loop import StopSignal, TrainingRun
 from memfit.train.peers import check_shared_folder
-from memfit.train.resume import finished_run
+from memfit.train.resume import finished_model, finished_run, refuse_another_finished
 from memfit.train.setup import checked_inputs, take
 
 
@@ -44,9 +44,11 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
 
     # the output folder's lock, taken once the model is loaded, held until the run ends
     lock = RunLock(Path(cfg.output_dir))
+    # the phase the run is in, for an out-of-memory error outside a step to say where it was
+    phase: dict[str, str] = {}
     try:
         with contextlib.ExitStack() as closers:
-            return _train(cfg, lock, closers)
+            return _train(cfg, lock, closers, phase)
     except OSError as exc:
         if exc.errno not in _DISK_ERRNOS or not _in_run_folders(cfg, exc):
             raise
@@ -62,7 +64,7 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
         if not is_oom(exc):
             raise
         # the guard survives an OOM inside a step; one anywhere else is the end (exit 3)
-        raise NothingFitsError(_oom_message(cfg, exc)) from None
+        raise NothingFitsError(_oom_message(cfg, exc, phase)) from None
     finally:
         lock.release()
 
@@ -112,10 +114,19 @@ def _disk_message(cfg: TrainConfig, exc: OSError) -> str:
     return f"{flag + ': ' if flag else ''}{where}: {exc.strerror or exc}{kept}"
 
 
-def _oom_message(cfg: TrainConfig, exc: BaseException) -> str:
-    """One line for an out-of-memory error outside a guarded step (loading the model, ordering
-    the data, writing a checkpoint): what ran out, and what is kept."""
-    from memfit.guard.oom import first_line
+# the phases before the run holds its weights: holding less of them (LoRA, a smaller optimizer
+# state) cures nothing there
+_BEFORE_WEIGHTS = frozenset({"reading the data", "loading the model"})
+
+
+def _oom_message(cfg: TrainConfig, exc: BaseException, phase: dict[str, str]) -> str:
+    """One line for an out-of-memory error outside a guarded step (reading the data, loading
+    the model, ordering the data, writing a checkpoint): where it was (``phase["now"]``), which
+    memory ran out (the host's RAM: Python's MemoryError; else the device's, or --memory-cap once
+    it counts: ``phase["capped"]``), the cures this run does not use already, and what is
+    kept."""
+    from memfit.guard.oom import first_line, oom_in
+    from memfit.job import OPTIMIZER_TABLE
     from memfit.train import checkpoint as ck
 
     out = Path(cfg.output_dir)
@@ -126,12 +137,25 @@ def _oom_message(cfg: TrainConfig, exc: BaseException) -> str:
         if steps
         else ""
     )
-    more = " (a larger --memory-cap)" if cfg.memory_cap else ""
-    return (
-        f"out of memory outside a training step ({first_line(exc)}): what the run holds between "
-        f"steps (the weights, their gradients, the optimizer state) does not fit; give it more "
-        f"memory{more} or hold less (--lora-rank 8, --optimizer adafactor){kept}"
-    )
+    host = isinstance(oom_in(exc) or exc, MemoryError)
+    if host:
+        what, more = "the machine's memory (RAM) ran out", "give it more memory"
+    elif cfg.memory_cap and phase.get("capped"):
+        what, more = "it does not fit under --memory-cap", "give it a larger --memory-cap"
+    else:
+        what, more = "the device's memory ran out", "give it more memory"
+    cures = []
+    where = phase.get("now")
+    if not host and where not in _BEFORE_WEIGHTS:
+        # what the run holds between steps: the weights, their gradients, the optimizer state
+        if not cfg.lora_rank:
+            cures.append("--lora-rank 8")
+        own, small = OPTIMIZER_TABLE.get(cfg.optimizer), OPTIMIZER_TABLE["adafactor"]
+        if own is not None and own.bytes_per_parameter > small.bytes_per_parameter:
+            cures.append("--optimizer adafactor")
+    cure = f"{more} or hold less ({', '.join(cures)})" if cures else more
+    said = f", while {where}" if where else ""
+    return f"out of memory outside a training step ({first_line(exc)}){said}: {what}; {cure}{kept}"
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -142,7 +166,9 @@ def _inside(path: Path, folder: Path) -> bool:
     return True
 
 
-def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainResult:
+def _train(
+    cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack, phase: dict[str, str]
+) -> TrainResult:
     """The run, phase by phase (each one a method of :class:`~memfit.train.loop.TrainingRun`)."""
     from transformers.utils import logging as hf_logging
 
@@ -152,37 +178,55 @@ def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainR
 
     # every problem with the flags and every bad row of both files, at once, before anything is
     # loaded or written
+    phase["now"] = "reading the data"
     recipe, train_rows, eval_rows = checked_inputs(cfg)
     done = finished_run(cfg)
-    if done is not None:
+    # a finished run's --model spelled otherwise: the same model is told once it is loaded
+    model_check = finished_model(cfg)
+    if done is not None and model_check is None:
         # nothing to redo: retraining would replace the finished model/ with the same steps
         return _already_finished(cfg, done)
 
     run = TrainingRun(cfg, recipe, lock)
     run.join_ranks()
     # the model loads before anything is written: a model that cannot be had leaves no folder
+    phase["now"] = "loading the model"
     run.load_model(train_rows, eval_rows)
+    if model_check is not None:
+        refuse_another_finished(cfg, model_check, run.model_signature)
+        if done is not None:
+            run.close()
+            return _already_finished(cfg, done)
+    phase["now"] = "planning the run"
     run.plan()
+    phase["now"] = "placing the model"
     run.open_folder()
     # several hosts: every rank must see rank 0's folder (it reads the checkpoints back)
     check_shared_folder(run.ranks, run.out)
+    phase["now"] = "building the optimizer"
     run.build_optimizer()
     run.open_logs(closers)
     run.make_guard()
+    phase["now"] = "resuming from a checkpoint"
     run.resume()
     run.write_run_json()
+    phase["now"] = "starting the steps"
 
     snapshot = run.weights_snapshot()
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         run.watch_memory(stack.enter_context(memory_cap(cfg.memory_cap, run.device)))
+        phase["capped"] = "yes"  # from here on --memory-cap counts
         stop = stack.enter_context(StopSignal())
         if snapshot is not None:
+            phase["now"] = "probing the longest rows"
             run.probe(snapshot)
             snapshot = None  # the copy of the weights goes before step 1
+        phase["now"] = "ordering the data"
         perm = run.permutation(run.epoch)
         progress = run.progress()
         while run.step < run.total_steps:
+            phase["now"] = f"preparing step {run.step + 1}"
             if run.position >= run.rows_n:
                 run.epoch, run.position = run.epoch + 1, 0
                 perm = run.permutation(run.epoch)
@@ -191,10 +235,12 @@ def _train(cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack) -> TrainR
             record = run.train_step(take(run.train_rows, indices))
             run.metrics.write(record)
             progress.update(record)
+            phase["now"] = f"evaluating or checkpointing after step {run.step}"
             if run.after_step(stop):
                 break
         progress.close()
         if run.stopped == "done":
+            phase["now"] = "writing the model"
             run.finish(started)
     return run.close()
 

@@ -92,11 +92,16 @@ def _names(folder: Path) -> list[str]:
 
 
 def link_problems(folder: Path) -> list[str]:
-    """The symbolic links in a run folder (at its top and in ``checkpoints/``), each a line.
+    """The symbolic links in a run folder that memfit would write through, each a line.
 
-    memfit appends to its logs and replaces its files in place: through a link it would write
-    into a file outside the folder (an ``events.jsonl`` linked elsewhere gets the run's lines). A
-    run folder on another disk is the link of the whole ``--output-dir``, which is followed."""
+    memfit appends to its logs and writes its files in place: through a link at the folder's
+    top (``events.jsonl``, ``run.lock``) it would write into a file outside the folder (an
+    ``events.jsonl`` linked elsewhere gets the run's lines). A link to a folder is followed: a
+    run's ``checkpoints/`` (or ``model/``) on a scratch disk is a user's choice, and memfit writes
+    in it only new files (a checkpoint is a fresh temporary folder renamed into place). In
+    ``checkpoints/``, linked or not, memfit renames and removes whole step folders: a link there
+    is refused. A run folder on another disk is the link of the whole ``--output-dir``, which is
+    followed."""
     problems = []
     for parent in (folder, folder / "checkpoints"):
         try:
@@ -104,7 +109,9 @@ def link_problems(folder: Path) -> list[str]:
         except OSError:
             continue
         for child in children:
-            if child.is_symlink():
+            # a link to a folder at the top is followed; one to a file (or to nothing: an append
+            # would create its target) never is
+            if child.is_symlink() and (parent != folder or not child.is_dir()):
                 problems.append(
                     f"--output-dir: {child} is a symbolic link (to {os.readlink(child)}); memfit "
                     "writes a run's files only inside its folder, never through a link: remove "
@@ -321,7 +328,7 @@ def clean_temporaries(folder: Path) -> None:
         if match.group(1) == "old" and not final.exists():
             os.rename(child, final)
         else:
-            shutil.rmtree(child, ignore_errors=True)
+            _remove(child)
     for child in folder.glob(f".{RUN_FILE}.tmp-*"):
         with contextlib.suppress(OSError):
             child.unlink()
@@ -356,4 +363,14 @@ def save_model_folder(
     if folder.exists():
         os.rename(folder, old)
     os.rename(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove a replaced folder; a link to one (a ``model/`` linked to another disk) loses the
+    link only, what it pointed to is left where it is (rmtree refuses a link, it would stay)."""
+    if path.is_symlink():
+        with contextlib.suppress(OSError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

@@ -6,6 +6,8 @@ the flags' problems."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -487,6 +489,285 @@ def test_a_template_past_its_bounds_on_every_row_is_not_run_again(
         "not rendered: the chat template passed memfit's bounds on the 2 rows before this one "
         "and rendered none of them"
     )
+
+
+# --- the renderer's process: never past its parent, never shadowed, one framing ----------------
+PARENT = """
+import os, sys, threading, time
+from memfit.data import instructions
+
+instructions.RENDER_SECONDS = 600.0  # only the parent's end may stop the loop here
+renderer = instructions._renderer()
+chat = [{"role": "user", "content": "hi"}]
+def request(template):
+    return {"template": template, "specials": {}, "messages": chat, "renders": [[1, False, False]]}
+renderer.render(request("{{ messages[0].content }}"), instructions._Clock())  # started
+pids = [renderer.proc.pid]
+if sys.argv[2] == "forked":
+    # a forked copy of this process (a DataLoader worker, say) holds the renderer's stdin open:
+    # no EOF reaches it when this process ends
+    holder = os.fork()
+    if holder == 0:
+        time.sleep(120)
+        os._exit(0)
+    pids.append(holder)
+loop = threading.Thread(target=renderer.render, args=(request(sys.argv[3]), instructions._Clock()))
+loop.start()
+with open(sys.argv[1] + ".tmp", "w") as out:
+    out.write(" ".join(map(str, pids)))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+loop.join()
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is there in CI
+        stat = Path(f"/proc/{pid}/stat")
+        if not stat.parent.parent.is_dir():
+            pytest.skip("neither psutil nor /proc to see the process")
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+    try:
+        return bool(psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX: SIGKILL and fork")
+@pytest.mark.parametrize("how", ["alone", "forked"])
+def test_the_renderer_ends_when_its_parent_is_killed_mid_render(tmp_path: Path, how: str) -> None:
+    # SIGKILL to a process whose template loops: its renderer ends too, at once (EOF on its
+    # stdin; with a forked copy holding that open, its parent's death), not hours later at 100 %
+    import signal
+    import subprocess
+    import time
+
+    pids_file = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pids_file), how, LOOPS])
+    child = holder = 0
+    try:
+        end = time.monotonic() + 120
+        while not pids_file.exists():
+            assert parent.poll() is None and time.monotonic() < end, "the parent did not start"
+            time.sleep(0.1)
+        child, *rest = map(int, pids_file.read_text().split())
+        holder = rest[0] if rest else 0
+        time.sleep(1.0)  # the loop is running
+        assert _alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert _wait_gone(child, 5.0), "the renderer outlived its parent"
+    finally:
+        for pid in (parent.pid, child, holder):
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
+
+
+def test_the_renderer_outlives_the_thread_that_started_it() -> None:
+    # Linux sends the parent-death signal when the starting *thread* ends: the renderer ends only
+    # when its parent process did, so a row from another thread still finds it
+    import threading
+    import time
+
+    from memfit.data import instructions
+
+    end_renderer()
+    renderer = instructions._renderer()
+    request = {
+        "template": "{{ messages[0].content }}!",
+        "specials": {},
+        "messages": [{"role": "user", "content": "hi"}],
+        "renders": [[1, False, False]],
+    }
+    starter = threading.Thread(target=renderer.render, args=(request, instructions._Clock()))
+    starter.start()
+    starter.join()
+    assert renderer.proc is not None
+    pid = renderer.proc.pid
+    time.sleep(0.5)  # a signal on the thread's end has arrived
+    assert renderer.render(request, instructions._Clock()) == [("hi!", None)]
+    assert renderer.proc is not None and renderer.proc.pid == pid
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX: the parent id changes")
+def test_the_watchdog_ends_the_renderer_where_its_parent_id_changes(tmp_path: Path) -> None:
+    # where there is no PR_SET_PDEATHSIG (macOS, BSD): a thread watches the parent's id
+    import signal
+    import subprocess
+    import time
+
+    watcher = (
+        "import sys; from memfit.data import _render_child as c; c._watch_parent(int(sys.argv[1]))"
+    )
+    middle = (
+        "import os, subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {watcher!r}, str(os.getpid())])\n"
+        "open(sys.argv[1], 'w').write(str(p.pid))\n"
+        "time.sleep(120)\n"
+    )
+    pid_file = tmp_path / "pid"
+    parent = subprocess.Popen([sys.executable, "-c", middle, str(pid_file)])
+    child = 0
+    try:
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert _alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert _wait_gone(child, 5.0), "the watchdog did not end the process"
+    finally:
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="RLIMIT_CPU: POSIX")
+def test_a_runaway_render_ends_on_its_own_past_its_cpu_time() -> None:
+    # nobody stops it (a parent stopped, say): the system ends it after the row's seconds of CPU
+    # and a little more, not hours later
+    import signal
+    import subprocess
+
+    from memfit.data import _render_child, instructions
+
+    proc = subprocess.Popen(
+        instructions._child_command(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert _render_child.read_frame(proc.stdout) == {"ready": True}
+        request = {
+            "template": LOOPS,
+            "specials": {},
+            "messages": [{"role": "user", "content": "hi"}],
+            "renders": [[1, False, False]],
+            "memory": 1 << 30,
+            "chars": 1 << 20,
+            "seconds": 0.5,
+        }
+        _render_child.send_frame(proc.stdin, request)
+        assert proc.wait(timeout=60) == -signal.SIGXCPU  # ~3 CPU seconds; the loops take hours
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_module_in_the_current_folder_does_not_replace_the_renderers(
+    tokenizer: Any, template: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `python -m` would import this jinja2.py (the current folder first on sys.path): every chat
+    # row would fail
+    from memfit.data import instructions
+
+    (tmp_path / "jinja2.py").write_text("raise ImportError('the folder jinja2.py was imported')\n")
+    (tmp_path / "json.py").write_text("raise ImportError('the folder json.py was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    end_renderer()  # the next row starts a renderer here
+    try:
+        template(REAL_TEMPLATES["llama-3"])
+        chat = CHATS[0]
+        assert instructions._texts(tokenizer, chat, [(2, False)], instructions._Clock()) == [
+            tokenizer.apply_chat_template(chat, tokenize=False)
+        ]
+    finally:
+        end_renderer()
+
+
+def test_without_safe_path_the_renderer_drops_its_own_folder(tmp_path: Path) -> None:
+    # Python 3.10 has no -P: the script's folder (sys.path[0]) is dropped before any import
+    import shutil
+    import subprocess
+
+    from memfit.data import _render_child
+
+    script = tmp_path / "_render_child.py"
+    shutil.copy(_render_child.__file__, script)
+    (tmp_path / "jinja2.py").write_text("raise ImportError('the folder jinja2.py was imported')\n")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    ready = _render_child.read_frame(proc.stdout)
+    request = {
+        "template": "{{ messages[0].content }}!",
+        "specials": {},
+        "messages": [{"role": "user", "content": "hi"}],
+        "renders": [[1, False, False]],
+        "memory": 1 << 30,
+        "chars": 1 << 20,
+        "seconds": 10.0,
+    }
+    if ready is not None:
+        _render_child.send_frame(proc.stdin, request)
+        reply = _render_child.read_frame(proc.stdout)
+    _, err = proc.communicate(timeout=60)  # EOF on its stdin: it ends
+    assert ready == {"ready": True}, err.decode()
+    assert reply == {"texts": [["hi!", None]]}
+    assert proc.returncode == 0
+
+
+def test_the_wait_for_the_renderer_needs_no_select(
+    tokenizer: Any, template: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Windows' select() takes sockets, not pipes: a wait on it would fail every chat row there
+    import select
+
+    from memfit.data import instructions
+
+    def windows_select(*_: Any) -> Any:
+        raise OSError(10038, "An operation was attempted on something that is not a socket")
+
+    monkeypatch.setattr(select, "select", windows_select)
+    end_renderer()
+    template(REAL_TEMPLATES["gemma"])
+    chat = CHATS[0]
+    assert instructions._texts(tokenizer, chat, [(2, False)], instructions._Clock()) == [
+        tokenizer.apply_chat_template(chat, tokenize=False)
+    ]
+
+
+def test_one_framing_for_both_sides() -> None:
+    # the parent reads and writes its renderer's frames with the renderer's own functions
+    import io
+    import queue
+
+    from memfit.data import _render_child, instructions
+
+    stream = io.BytesIO()
+    value = {"texts": [["héllo ✓", [[0, 3]]]], "n": 1}
+    _render_child.send_frame(stream, value)
+    data = stream.getvalue()
+    assert _render_child.read_frame(io.BytesIO(data)) == value
+    assert _render_child.read_frame(io.BytesIO(data[:-1])) is None  # cut short: the end
+    assert _render_child.read_frame(io.BytesIO(b"")) is None
+    replies: queue.Queue[Any] = queue.Queue()
+    instructions._pump(io.BytesIO(data + data[:3]), replies)
+    assert [replies.get_nowait() for _ in range(2)] == [value, None]
 
 
 @pytest.mark.parametrize("name", list(REAL_TEMPLATES))

@@ -149,12 +149,45 @@ def test_a_state_memfit_never_writes_is_named() -> None:
         "bool": ({**good, "position": True}, "position is True"),
         "name": ({**good, "step": 5}, "step 5 in the checkpoint of step 6"),
         "where": ({**good, "epoch": 0, "samples_seen": 8}, "step 6 is not where epoch 0"),
-        "best": ({**good, "best": float("inf")}, "best is inf"),
+        "best": ({**good, "best": "0.5"}, "best is '0.5', not a metric"),
         "list": ([1, 2], "not a JSON object"),
     }
     for case, (state, said) in bad.items():
         problem = ck.state_problem(state, 6, 16, 4)
         assert problem is not None and said in problem, (case, problem)
+
+
+def test_a_best_that_is_not_finite_is_no_best_not_damage() -> None:
+    """An older memfit kept a first eval's NaN as the best (every later checkpoint wrote
+    "best": NaN): such a checkpoint is whole, its best is none."""
+    good = {"step": 6, "epoch": 1, "position": 8, "samples_seen": 24}
+    for best in (float("nan"), float("inf"), -float("inf")):
+        assert ck.state_problem({**good, "best": best}, 6, 16, 4) is None, best
+        assert ck.saved_best({**good, "best": best}) is None
+    assert ck.saved_best({**good, "best": 0.25}) == 0.25
+    assert ck.saved_best({**good, "best": None}) is None
+    assert ck.saved_best(good) is None
+
+
+def test_an_eval_that_is_not_finite_is_never_the_best() -> None:
+    from memfit.train.loop import better
+
+    assert not better(float("nan"), None, greater=True)
+    assert not better(float("inf"), None, greater=True)
+    assert not better(-float("inf"), 0.5, greater=False)
+    assert not better(None, None, greater=True)
+    # after a NaN eval (no best kept), the next finite one is the best
+    assert better(0.5, None, greater=True)
+    assert better(0.6, 0.5, greater=True) and not better(0.4, 0.5, greater=True)
+    assert better(0.4, 0.5, greater=False)
+
+
+def test_finite_reads_the_extremes_only() -> None:
+    assert ck.finite(torch.ones(3))
+    assert not ck.finite(torch.tensor([1.0, float("nan")]))
+    assert not ck.finite(torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16))
+    assert ck.finite(torch.arange(3))  # integers always are
+    assert ck.finite(torch.empty(0))
 
 
 def test_weights_that_are_not_finite_are_named(tmp_path) -> None:
@@ -179,3 +212,22 @@ def test_the_model_signature_tells_architectures_apart() -> None:
     assert wider["digest"] != a["digest"]
     # what is trained decides the optimizer state's shape
     assert ck.model_signature(frozen, "a")["digest"] != a["digest"]
+
+
+def test_weights_finite_reads_a_zero3_partition_not_its_placeholder() -> None:
+    """Under DeepSpeed ZeRO-3 a parameter outside a forward is an empty placeholder, its values
+    in ``ds_tensor`` (this rank's partition): that is what is checked (the placeholder alone
+    would always read as finite, and weights an update made NaN would be checkpointed)."""
+    from memfit.train.loop import TrainingRun
+
+    run = object.__new__(TrainingRun)
+    run.ranks = None
+    healthy, broken = nn.Parameter(torch.empty(0)), nn.Parameter(torch.empty(0))
+    healthy.ds_tensor = torch.ones(4)  # type: ignore[attr-defined]
+    broken.ds_tensor = torch.tensor([1.0, float("nan")])  # type: ignore[attr-defined]
+    run.params = [healthy]
+    assert run.weights_finite()
+    run.params = [healthy, broken]
+    assert not run.weights_finite()
+    run.params = [nn.Parameter(torch.tensor([float("inf")]))]  # a plain parameter
+    assert not run.weights_finite()

@@ -18,6 +18,7 @@ loaded inside takes those keywords too, so the recipes need not know of it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from memfit.errors import UsageError
-from memfit.models.folder import check_for_loader, check_loaded, load_failure, recorded_loads
+from memfit.models.folder import check_for_loader, load_checked
 
 T = TypeVar("T")
 
@@ -89,38 +90,32 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
     local = Path(model).expanduser().is_dir()
     if local:
         check_folder(loader, Path(model).expanduser())
-    try:
-        with recorded_loads() as loaded:
-            result = loader(model, **kwargs)
-    except OSError as exc:  # transformers/huggingface_hub raise OSError subclasses for "not found"
-        if local:
-            raise UsageError(load_failure(exc, model, FLAG) or str(exc)) from None
-        from memfit.models.registry import resolve_model
+    # a new task head is what the run trains; missing weights of the body are refused
+    return load_checked(
+        lambda: loader(model, **kwargs),
+        model,
+        FLAG,
+        without="training would start them from random weights",
+        # not a folder: transformers/huggingface_hub raise OSError subclasses for "not found"
+        not_found=None if local else functools.partial(_not_found, model),
+    )
 
-        try:
-            in_registry = resolve_model(model).source == "registry"
-        except UsageError:
-            in_registry = False
-        if in_registry:
-            raise UsageError(
-                f"{FLAG}: {model!r} is in memfit's registry of architectures (for estimate and "
-                "plan), which holds no weights: memfit train needs a model folder, or a Hub id "
-                "in the local Hugging Face cache"
-            ) from None
-        raise UsageError(
-            f"{FLAG}: cannot load {model!r}: not a local folder and not in the Hugging Face "
-            "cache (offline?)"
-        ) from None
-    except Exception as exc:
-        # weights only an unsafe unpickling reads, a folder that needs remote code (ValueError),
-        # weights that do not fit the config (RuntimeError): anything else is a bug, raised
-        message = load_failure(exc, model, FLAG)
-        if message is None:
-            raise
-        raise UsageError(message) from None
-    for loaded_model, info in loaded:
-        # a new task head is what the run trains; missing weights of the body are refused
-        check_loaded(
-            loaded_model, info, model, FLAG, without="training would start them from random weights"
+
+def _not_found(model: str, _exc: OSError) -> str:
+    """The line for a ``--model`` that is no folder and that transformers did not find."""
+    from memfit.models.registry import resolve_model
+
+    try:
+        in_registry = resolve_model(model).source == "registry"
+    except UsageError:
+        in_registry = False
+    if in_registry:
+        return (
+            f"{FLAG}: {model!r} is in memfit's registry of architectures (for estimate and "
+            "plan), which holds no weights: memfit train needs a model folder, or a Hub id "
+            "in the local Hugging Face cache"
         )
-    return result
+    return (
+        f"{FLAG}: cannot load {model!r}: not a local folder and not in the Hugging Face "
+        "cache (offline?)"
+    )
