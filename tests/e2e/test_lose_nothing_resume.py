@@ -172,11 +172,21 @@ def test_a_finished_run_resumed_with_another_model_is_refused_not_finished(
     assert _tree(out) == before
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["optimizer-recorded", "older-checkpoints"])
 def test_a_resume_with_another_optimizer_is_refused_untouched(
-    whole: Path, tiny_classifier: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    recorded: bool,
+    whole: Path,
+    tiny_classifier: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """Checkpoints of a memfit that recorded no optimizer: run.json says which it was (their
+    state would not load: KeyError 'betas', then taken for damage)."""
     out = _copy(whole, tmp_path)
     _as_if_killed_after(out, 4)
+    if not recorded:
+        for step_dir in (out / "checkpoints").glob("step-*"):
+            _edit_state(step_dir, optimizer=None)
     before = _tree(out)
     flags = _flags(tiny_classifier, whole / "train.csv", out, "--resume", "--optimizer", "adamw")
     code, err = _cli(flags, capsys)

@@ -120,6 +120,10 @@ class TrainingRun(RunSetup):
         if other is not None:
             raise refuse_other_model(path, self.cfg, saved.get("model"), other)
         optimizer = saved.get("optimizer")
+        if optimizer is None:
+            # a checkpoint of a memfit that recorded no optimizer: run.json has the run's (it is
+            # written again only after this resume), else its state would not load (KeyError)
+            optimizer = (runfolder.run_config(self.out) or {}).get("optimizer")
         if isinstance(optimizer, str) and optimizer != self.cfg.optimizer:
             raise UsageError(
                 f"--resume: {path} holds the state of --optimizer {optimizer}, not of "
