@@ -236,7 +236,11 @@ def check_estimate(est: Any, row: Row) -> None:
 
 @pytest.mark.parametrize(
     "row",
-    [pytest.param(row, marks=[pytest.mark.slow] if row in SLOW else []) for row in ROWS],
+    # the inner loop (`-m "not slow"`) keeps the family the issue found broken; CI runs them all
+    [
+        pytest.param(row, marks=[pytest.mark.slow] if row in SLOW or row.family != "phi3" else [])
+        for row in ROWS
+    ],
     ids=[row.id for row in ROWS],
 )
 def test_every_family_through_every_knob(row: Row, shallow_folders: dict[str, str]) -> None:

@@ -567,6 +567,7 @@ def bert_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
+@pytest.mark.slow  # two real training runs
 def test_a_real_run_resumed_with_another_lr_is_reported_whole(
     bert_dir: str,
     tmp_path: Path,
