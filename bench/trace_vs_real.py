@@ -46,6 +46,7 @@ if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
+from memfit import step  # noqa: E402
 from memfit.estimate import workload  # noqa: E402
 from memfit.estimate.device import cpu_allocation_bytes  # noqa: E402
 from memfit.estimate.trace import (  # noqa: E402
@@ -111,11 +112,16 @@ def _holding_outputs(hold: bool) -> Iterator[None]:
         model: torch.nn.Module, batch: dict[str, Any], spec: StepSpec, **kwargs: Any
     ) -> None:
         recorder, autocast = kwargs.get("recorder"), kwargs["autocast"]
+        labels = batch["labels"]
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
         with workload.phase(recorder, "forward"), autocast():
-            outputs = model(**batch)
+            # the recipe's own loss (memfit.step), with the model's outputs kept by the loop
+            outputs = model(**inputs, **step.no_cache(model))
+            units = labels.size(0) * max(labels.size(1) - 1, 1)
+            loss = step.token_loss(outputs.logits, labels, units)
         with workload.phase(recorder, "backward"):
-            outputs.loss.backward()
-        del outputs  # only now: the logits lived through the backward
+            loss.backward()
+        del outputs, loss  # only now: the logits lived through the backward
 
     workload.forward_backward = forward_backward  # type: ignore[assignment]
     try:

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 def estimate(model: str, **kwargs: Any) -> Any:
     """Predict the peak memory of a training or eval step; see :func:`memfit.estimate.estimate`."""
+    # start-up: `import memfit` stays light; the estimator loads torch and transformers
     from memfit.estimate import estimate as _estimate
 
     return _estimate(model, **kwargs)
@@ -16,6 +17,7 @@ def estimate(model: str, **kwargs: Any) -> Any:
 
 def plan(model: str, **kwargs: Any) -> Any:
     """Fit a fine-tuning job into a memory budget; see :func:`memfit.plan.plan`."""
+    # start-up: the planner loads the estimator (torch, transformers)
     from memfit.plan import plan as _plan
 
     return _plan(model, **kwargs)
@@ -23,6 +25,7 @@ def plan(model: str, **kwargs: Any) -> Any:
 
 def train(config: Any = None, /, **kwargs: Any) -> Any:
     """Fine-tune under the OOM guard; see :func:`memfit.train.run.train` (same knobs as the CLI)."""
+    # start-up: a run loads torch, transformers and the training stack
     from memfit.train.run import train as _train
 
     return _train(config, **kwargs)

@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from memfit.job import DEFAULT_MINI_BATCH_SIZE, STEP_FIELDS
+
 WARMUP_STEPS = 2
 SEED = 0
 
@@ -67,6 +69,7 @@ def _settle(trim: Callable[[], None]) -> None:
 
 def _resolve_config(model: str) -> Any:
     """The architecture config of ``model``, resolved exactly as the estimator resolves it."""
+    # start-up: memfit.models.registry loads transformers, after main() redirected stdout
     from memfit.models import resolve_model
 
     return resolve_model(model).config
@@ -76,34 +79,23 @@ class _Step:
     """A real training or eval step, with everything that must persist built up front."""
 
     def __init__(self, request: dict[str, Any]) -> None:
+        # torch loads once main() has pointed stdout at stderr, its chatter off the protocol
+        # channel (start-up)
         import torch
 
-        from memfit import job
+        # start-up: the estimator imports torch and transformers (after the redirect too)
         from memfit.estimate import workload
+        from memfit.estimate.api import step_job, step_spec
 
         self.workload = workload
-        task = request["task"]
-        loss = request.get("loss") or job.DEFAULT_LOSS[task]
-        loss = job.LOSS_ALIASES.get(loss.lower(), loss.lower())
-        self.spec = workload.StepSpec(
-            task=task,
-            precision=request.get("precision", "fp32"),
-            optimizer=request.get("optimizer", "adamw"),
-            gradient_checkpointing=bool(request.get("gradient_checkpointing", False)),
-            attn_implementation=request.get("attn_implementation", "sdpa"),
-            mode=request.get("mode", "train"),
-            device="cpu",
-            num_labels=int(request.get("num_labels", 2)),
-            loss=loss,
-            lora_rank=int(request.get("lora_rank") or 0),
-            quantization=request.get("quantization") or "none",
-            double_quant=bool(request.get("double_quant", False)),
-        )
+        # the step the estimator prices for the same knobs (the request's job fields), on the CPU
+        knobs = {k: v for k, v in request.items() if k in STEP_FIELDS and k != "micro_batch_size"}
+        job = step_job(request["model"], batch_size=int(request["batch_size"]), **knobs)
+        self.spec = dataclasses.replace(step_spec(job, request.get("mode", "train")), device="cpu")
         self.batch_size = int(request["batch_size"])
-        if loss == "cached-mnrl":
+        if self.spec.loss == "cached-mnrl":
             # the workload's batch is ``cached_chunks`` mini-batches of ``batch_size`` rows
-            mini = int(request.get("mini_batch_size") or job.DEFAULT_MINI_BATCH_SIZE)
-            mini = min(mini, self.batch_size)
+            mini = min(job.mini_batch_size or DEFAULT_MINI_BATCH_SIZE, self.batch_size)
             if self.batch_size % mini:
                 raise ValueError("the measured cached loss needs whole mini-batches")
             self.spec = dataclasses.replace(self.spec, cached_chunks=self.batch_size // mini)
@@ -146,6 +138,7 @@ class _Probe:
     """Allocate and touch a known number of bytes: the method's own calibration."""
 
     def __init__(self, request: dict[str, Any]) -> None:
+        # start-up: imported by main() already, after stdout was pointed at stderr
         import torch
 
         self.torch = torch
@@ -187,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
+    # start-up: torch loads only now, its chatter going to stderr, not to the protocol channel
     import torch
 
     threads = request.get("threads")

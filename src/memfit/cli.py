@@ -32,6 +32,9 @@ except ImportError:  # pragma: no cover - typer built on click
 
 from memfit import __version__
 from memfit.errors import MemfitError, UsageError
+from memfit.extras import missing_module_line
+from memfit.paths import is_user_os_error, os_error_line
+from memfit.runtime import launched_world_size, quiet_deepspeed
 
 # the verbs, in the order ``memfit --help`` lists them: ``memfit VERB`` runs the function
 # ``VERB_command`` of ``memfit.commands.VERB`` (a group: its module's ``app``)
@@ -205,8 +208,6 @@ def main(argv: list[str] | None = None) -> Any:
     launcher then reports the finished run as failed. Exit handlers still run and both streams
     are flushed first.
     """
-    from memfit.runtime import launched_world_size, quiet_deepspeed
-
     # transformers imports DeepSpeed, where installed, as models load: its findings are not
     # memfit's output (its errors still show)
     quiet_deepspeed()
@@ -273,8 +274,6 @@ def _main(argv: list[str] | None = None) -> Any:
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except ModuleNotFoundError as exc:
-        from memfit.extras import missing_module_line
-
         # the last resort for an optional package that a verb's own checks did not name first
         # (memfit.extras): which extra installs it, exit 2. Any other missing module is a bug
         args = sys.argv[1:] if argv is None else argv
@@ -284,8 +283,6 @@ def _main(argv: list[str] | None = None) -> Any:
             raise
         _fail(line, 2)
     except OSError as exc:
-        from memfit.paths import is_user_os_error, os_error_line
-
         # the last resort for a path or disk the user gave (full, read-only, not there, a file
         # where a folder should be): one line, exit 2; the commands check their destinations
         # first, with the flag's name. Any other OSError is a bug: its traceback, exit 1

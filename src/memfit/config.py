@@ -18,6 +18,7 @@ import yaml
 
 from memfit.errors import UsageError
 from memfit.job import JOB_FIELDS, Job
+from memfit.paths import is_user_os_error
 
 JOB_KEYS = (
     "model",
@@ -65,8 +66,6 @@ REQUIRED_KEYS = ("model", "task", "seq_len", "micro_batch_size", "gradient_accum
 def write_config(path: str | Path, config: dict[str, Any], *, flag: str = "--write-config") -> Path:
     """Write ``config`` as YAML, atomically (a temporary file renamed into place): a full disk
     or a folder that cannot be written is a UsageError naming ``flag``, and leaves nothing."""
-    from memfit.paths import is_user_os_error
-
     path = Path(path)
     unknown = [k for k in config if k not in KNOWN_KEYS]
     if unknown:

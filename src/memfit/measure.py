@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from memfit.errors import MemfitError
+from memfit.job import STEP_FIELDS
 
 # see the module docstring for why each of these is set
 MALLOC_ENV = {
@@ -174,47 +175,30 @@ def child_environment(threads: int) -> dict[str, str]:
 def measure_cpu_step(
     model: str,
     *,
-    task: str,
     batch_size: int,
-    seq_len: int,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    gradient_checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
     mode: str = "train",
-    num_labels: int = 2,
-    loss: str | None = None,
-    lora_rank: int = 0,
-    mini_batch_size: int | None = None,
-    quantization: str = "none",
-    double_quant: bool = False,
     repeats: int = 3,
     threads: int | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
+    **knobs: Any,
 ) -> CpuMeasurement:
     """Run one real CPU step ``repeats`` times in a fresh child and measure its peak above baseline.
 
     ``model`` is anything :func:`memfit.models.resolve_model` accepts (a registry name, a folder
-    with ``config.json`` or a ``config.json`` path); the weights are random. Raises
+    with ``config.json`` or a ``config.json`` path); the weights are random. ``batch_size``,
+    ``mode`` and ``knobs`` (the job's fields: ``task``, ``seq_len``, ``precision``, ...) are
+    :func:`memfit.estimate`'s: the child runs the step the estimator prices for them. Raises
     :class:`MeasurementError` (with the child's stderr tail) if the child fails.
     """
+    for name in knobs:
+        if name not in STEP_FIELDS or name == "micro_batch_size":
+            raise TypeError(f"measure_cpu_step() got an unexpected keyword argument {name!r}")
     request: dict[str, Any] = {
         "kind": "step",
         "model": str(model),
-        "task": task,
         "batch_size": int(batch_size),
-        "seq_len": int(seq_len),
-        "precision": precision,
-        "optimizer": optimizer,
-        "gradient_checkpointing": bool(gradient_checkpointing),
-        "attn_implementation": attn_implementation,
         "mode": mode,
-        "num_labels": int(num_labels),
-        "loss": loss,
-        "lora_rank": int(lora_rank),
-        "mini_batch_size": mini_batch_size,
-        "quantization": quantization,
-        "double_quant": bool(double_quant),
+        **knobs,
     }
     return run_measurement(request, repeats=repeats, threads=threads, timeout=timeout)
 

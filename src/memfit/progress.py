@@ -44,6 +44,7 @@ class _Shown:
     """The status line on screen: its rich Live, the stream watchers, one text per nesting level."""
 
     def __init__(self, subject: str, message: str, *, end_on_output: bool) -> None:
+        # start-up: rich is loaded only when a status line is shown on a terminal
         from rich.console import Console
         from rich.live import Live
         from rich.spinner import Spinner
@@ -121,6 +122,7 @@ class _Watch:
     """
 
     def __init__(self, stream: TextIO, shown: _Shown, *, ends: bool) -> None:
+        # start-up: rich is loaded only when a status line is shown on a terminal
         from rich.file_proxy import FileProxy
 
         self._stream = stream

@@ -34,7 +34,7 @@ def launched_rank() -> int:
 
 def resolve_device(device: str | None) -> torch.device:
     """``--device`` as given, else CUDA where a GPU is visible, else the CPU."""
-    import torch
+    import torch  # start-up: the CLI's quick verbs read this module without torch
 
     if device:
         return torch.device(device)
@@ -46,7 +46,7 @@ def autocast(
 ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """A factory of the autocast context for ``precision`` (fp32: no autocast); the weights stay
     in their own dtype, the matmuls run in the lower one."""
-    import torch
+    import torch  # start-up: the CLI's quick verbs read this module without torch
 
     if precision not in ("fp16", "bf16"):
         return contextlib.nullcontext

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -176,3 +177,61 @@ def test_gpus_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     for required in ("t4", "v100-16gb", "v100-32gb", "a10g", "l4", "a100-40gb", "a100-80gb",
                      "h100-80gb", "rtx3090", "rtx4090"):  # fmt: skip
         assert required in ids
+
+
+def _flags(verb: str) -> dict[str, list[str]]:
+    """``memfit VERB``'s options: parameter name → its flags."""
+    import typer.main
+
+    from memfit.cli import app
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("memfit", ["--help"], resilient_parsing=True)
+    command = group.get_command(ctx, verb)
+    assert command is not None
+    return {p.name or "": [*p.opts, *p.secondary_opts] for p in command.params}
+
+
+def test_every_knob_a_step_prices_is_a_flag_of_estimate_and_doctor() -> None:
+    from memfit.job import STEP_FIELDS, Job, flag_of
+
+    fields = {f.name: f for f in dataclasses.fields(Job)}
+    for verb in ("estimate", "doctor"):
+        flags = _flags(verb)
+        for name in STEP_FIELDS:
+            # the micro-batch is both verbs' --batch-size
+            flag = "--batch-size" if name == "micro_batch_size" else flag_of(fields[name])
+            assert flag in flags.get(name, []), (verb, name)
+    # the help line is the field's, written once
+    assert _flags("plan")["double_quant"] == _flags("estimate")["double_quant"]
+
+
+def test_doctor_takes_the_attention_kernel_it_prices(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """memfit estimate takes --attn-implementation; memfit doctor refused it ("No such
+    option"): its flags are the job's now, and the failed job it prices carries it."""
+    from memfit.report import doctor
+
+    seen: dict[str, object] = {}
+
+    def from_text(message: str, *, flag: str, knobs: object) -> object:
+        seen["knobs"] = knobs
+        raise SystemExit(0)
+
+    monkeypatch.setattr(doctor, "from_text", from_text)
+    code, _, err = run(
+        capsys, "doctor", "--message", "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "--model", "bert-base-uncased", "--task", "classification", "--batch-size", "8",
+        "--seq-len", "128", "--attn-implementation", "eager", "--lora-rank", "8",
+        "--lora-target-modules", "mlp,attention",
+    )  # fmt: skip
+    assert code == 0, err
+    job = seen["knobs"]
+    assert job.attn_implementation == "eager"  # type: ignore[attr-defined]
+    assert job.lora_target_modules == ["mlp", "attention"]  # type: ignore[attr-defined]
+    code, _, err = run(
+        capsys, "doctor", "--message", "x", "--model", "bert-base-uncased", "--task",
+        "classification", "--batch-size", "8", "--seq-len", "128", "--attn-implementation", "fast",
+    )  # fmt: skip
+    assert code == 2 and "--attn-implementation: unknown value 'fast'" in err

@@ -10,27 +10,16 @@ import importlib
 import inspect
 import sys
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 
 from memfit import progress
 from memfit.errors import MemfitError
-from memfit.job import Job, flag_of
+from memfit.job import Job, flag_of, parse_target_modules
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _Knob:
-    """The default of a command parameter that is generated from the job's field of its name."""
-
-    def __repr__(self) -> str:
-        return "KNOB"
-
-
-# ``task: str = KNOB``: the flag, its type, default and help come from :class:`Job`'s ``task``
-KNOB: Any = _Knob()
 
 
 def field_parameter(
@@ -40,15 +29,17 @@ def field_parameter(
     help: str | None = None,
     default: Any = dataclasses.MISSING,
     shown_default: str | None = None,
+    flag: str | None = None,
 ) -> inspect.Parameter:
-    """The typer option of dataclass field ``f``: its flag, ``annotation`` (the CLI's type), help
-    (the field's metadata, unless ``help``) and default (the field's, unless ``default``; none:
-    a required flag). A boolean is a ``--name/--no-name`` pair if its metadata says
-    ``negatable`` (or says nothing and it may be None), else ``--name`` alone.
+    """The typer option of dataclass field ``f``: its flag (``flag``, else the field's),
+    ``annotation`` (the CLI's type), help (the field's metadata, unless ``help``) and default
+    (the field's, unless ``default``; none: a required flag). A boolean is a ``--name/--no-name``
+    pair if its metadata says ``negatable`` (or says nothing and it may be None), else
+    ``--name`` alone.
 
     ``shown_default``: the default the help shows (``[default: …]``) where the flag's own is
     None (not given) and the field's default is decided later."""
-    flag = flag_of(f)
+    flag = flag or flag_of(f)
     if annotation is bool or annotation == bool | None:
         negatable = f.metadata.get("negatable", annotation is not bool)
         declaration = f"{flag}/--no-{flag.removeprefix('--')}" if negatable else flag
@@ -78,17 +69,102 @@ def with_parameters(command: F, parameters: Iterable[inspect.Parameter]) -> F:
     return command
 
 
-def job_knobs(command: F) -> F:
-    """Give each parameter of ``command`` whose default is :data:`KNOB` the flag, type, default
-    and help of :class:`Job`'s field of that name; the other parameters stay as written."""
+def cli_type(hint: Any, default: Any) -> Any:
+    """The type a flag of a job field of type ``hint`` takes: a list is comma-separated text;
+    None is allowed only where the default is None (not given)."""
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    kind = kinds[0] if len(kinds) == 1 else hint
+    if typing.get_origin(kind) is list:
+        kind = str  # a, b (comma-separated)
+    return kind | None if default is None else kind
+
+
+def job_options(
+    *,
+    fields: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    flags: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    required: Iterable[str] = (),
+    helps: Mapping[str, str] | None = None,
+    shown_defaults: Mapping[str, str] | None = None,
+    after: str | None = None,
+) -> Callable[[F], F]:
+    """A verb's flags for the job's knobs, generated from :class:`Job`'s fields (their flag,
+    type, default and help line, written once in :mod:`memfit.job` and :mod:`memfit.levers`).
+
+    The command takes them as ``**knobs`` (field name → value); its own parameters stay as
+    written, the job's flags listed after ``after`` (default: its arguments). ``fields``: the
+    job's fields the verb has (default: all, less ``exclude``), in the job's order; ``flags``:
+    the verb's own spelling of a field's flag (``memfit estimate --batch-size``); ``defaults``:
+    the verb's default where it differs from the field's (a definite one: the flag then takes no
+    None; False: a boolean is a switch alone); ``required``: flags the verb needs; ``helps``:
+    a line the verb adds to a field's help; ``shown_defaults``: what the help shows as the default
+    of a flag whose own default (None) is decided later.
+    """
+    flags, defaults = dict(flags or {}), dict(defaults or {})
+    helps, shown_defaults = dict(helps or {}), dict(shown_defaults or {})
+    required, exclude = set(required), set(exclude)
+
+    def decorate(command: F) -> F:
+        hints = typing.get_type_hints(Job)
+        by_name = {f.name: f for f in dataclasses.fields(Job)}
+        own = [
+            p
+            for p in inspect.signature(command, eval_str=True).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        names = list(by_name) if fields is None else list(fields)
+        generated = []
+        for name in names:
+            if name in exclude or any(p.name == name for p in own):
+                continue
+            f = by_name[name]
+            default = (
+                dataclasses.MISSING
+                if name in required
+                else defaults.get(name, None if f.default is dataclasses.MISSING else f.default)
+            )
+            kind = cli_type(hints[name], default)
+            help = f.metadata["help"] + (f" {helps[name]}" if name in helps else "")
+            generated.append(
+                field_parameter(
+                    f,
+                    kind,
+                    help=help,
+                    default=inspect.Parameter.empty if default is dataclasses.MISSING else default,
+                    # a knob not given is decided later: its metadata says what it becomes
+                    shown_default=shown_defaults.get(
+                        name, f.metadata.get("shown_default") if default is None else None
+                    ),
+                    flag=flags.get(name),
+                )
+            )
+        arguments = [p for p in own if p.default is inspect.Parameter.empty]
+        at = (
+            next(k for k, p in enumerate(own) if p.name == after) + 1
+            if after is not None
+            else len(arguments)
+        )
+        return with_parameters(command, [*own[:at], *generated, *own[at:]])
+
+    return decorate
+
+
+def given_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """The job's knobs a verb's generated flags received (field → value), a comma-separated list
+    (``--lora-target-modules a,b``) as a list."""
     hints = typing.get_type_hints(Job)
-    fields = {f.name: f for f in dataclasses.fields(Job)}
-    signature = inspect.signature(command, eval_str=True)
-    parameters = [
-        field_parameter(fields[p.name], hints[p.name]) if p.default is KNOB else p
-        for p in signature.parameters.values()
-    ]
-    return with_parameters(command, parameters)
+    out: dict[str, Any] = {}
+    for name, value in knobs.items():
+        if name in hints and isinstance(value, str) and _is_list(hints[name]):
+            value = parse_target_modules(value)
+        out[name] = value
+    return out
+
+
+def _is_list(hint: Any) -> bool:
+    return any(typing.get_origin(t) is list for t in (hint, *typing.get_args(hint)))
 
 
 # memfit estimate/plan --trace-depth: the choices, the help and the default in one place
@@ -167,6 +243,7 @@ def run_inference(verb: str, loading: str, doing: str, flags: dict[str, Any]) ->
     one to one; the run prints nothing until its summary line (to stderr)."""
     # on screen before torch is imported
     with progress.status(f"loading {loading}", subject=f"memfit {verb} {flags['model']}"):
+        # start-up: inference loads torch and transformers, under the status line
         from memfit.infer.output import Terminated
         from memfit.infer.run import InferConfig
 

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from memfit import progress
+from memfit.data.instructions import flag_problems
 from memfit.errors import UsageError
 
 app = typer.Typer(
@@ -75,8 +76,6 @@ def data_profile_command(
         raise UsageError("give --model or --tokenizer, not both (--tokenizer alone is enough)")
     if max_seq_len is not None and max_seq_len < 1:
         raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
-    from memfit.data.instructions import flag_problems
-
     # the rows as memfit train --task causal-lm reads them, with the same flags and checks
     problems = flag_problems(
         task="causal-lm",
@@ -89,6 +88,7 @@ def data_profile_command(
     if problems:
         raise UsageError("\n".join(problems))
     with progress.status("loading transformers", subject=f"memfit data profile {file}"):
+        # start-up: memfit.plan loads torch (and the profile transformers' tokenizer)
         from memfit.plan.data_profile import DataProfile, tokenizer_folder
 
         folder = tokenizer_folder(model, tokenizer, model_flag="--model")

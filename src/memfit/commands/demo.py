@@ -33,6 +33,7 @@ def demo_command() -> None:
     )
     # each slow step under a status line; the demo's next printed line erases it
     with progress.status("loading torch and transformers", subject="memfit demo"):
+        # start-up: torch and transformers load under the status line
         from memfit.estimate import estimate
 
         progress.report("estimating bert-base-uncased, batch 32 × 128 tokens, fp32")
@@ -59,6 +60,7 @@ def demo_command() -> None:
         f"With --precision bf16 the same step needs {format_bytes(bf16.total_bytes)} "
         f"({(1 - bf16.total_bytes / result.total_bytes) * 100:.0f} % less)."
     )
+    # start-up: the planner loads torch (loaded already by the estimate above)
     from memfit.plan import plan
 
     typer.echo(
@@ -83,6 +85,7 @@ def demo_command() -> None:
 def demo_training() -> None:
     """Fine-tune all-MiniLM-L6-v2 under a memory cap that makes a step run out of memory; the
     held-out retrieval metrics before and after."""
+    # start-up: training loads torch, transformers and sentence-transformers
     from memfit.train import TrainConfig, train
     from memfit.train.demo import (
         BATCH,

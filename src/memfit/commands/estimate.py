@@ -10,9 +10,12 @@ from typing import Annotated, Any
 import typer
 
 from memfit import progress
-from memfit.commands._options import KNOB, Overwrite, TraceDepth, job_knobs
+from memfit.commands._options import Overwrite, TraceDepth, given_knobs, job_options
 from memfit.errors import UsageError
 from memfit.extras import is_installed, missing_line
+from memfit.job import STEP_DEFAULTS, STEP_FIELDS
+from memfit.levers import LEVERS
+from memfit.paths import Kind, destination_problems, holds_mark, model_inputs
 from memfit.report.console import print_estimate
 from memfit.units import format_bytes
 
@@ -36,23 +39,6 @@ def _trace_depth_line(details: dict[str, Any]) -> str | None:
         layers = f"all {depth} layers" if depth is not None else "every layer"
         return f"traced {layers}" + (f": {reason}" if reason else "")
     return f"trace depth: {info.get('mode')}{of}" if info.get("mode") else None
-
-
-def _quantization_line(details: dict[str, Any]) -> str | None:
-    """One line on the quantized base weights (``details["quantization"]``), if any."""
-    info = details.get("quantization")
-    if not isinstance(info, dict):
-        return None
-    scheme = str(info.get("scheme"))
-    double = " with double quantization" if info.get("double_quant") else ""
-    kept = ", ".join(info.get("kept_modules") or ()) or "none"
-    compute = f", computing in {info['compute_dtype']}" if scheme != "int8" else ""
-    return (
-        f"base weights: {scheme}{double} (bitsandbytes){compute}: "
-        f"{format_bytes(int(info.get('quantized_bytes') or 0))} for "
-        f"{int(info.get('quantized_parameters') or 0):,} quantized parameters; "
-        f"kept unquantized (fp32): {kept}"
-    )
 
 
 def _gpu_lines(details: dict[str, Any], device: str) -> list[str]:
@@ -84,7 +70,20 @@ def _paged_line(details: dict[str, Any], optimizer: str, device: str) -> str | N
     )
 
 
-@job_knobs
+# memfit estimate's own spelling: the step's micro-batch is its --batch-size
+FLAGS = {"micro_batch_size": "--batch-size"}
+
+
+@job_options(
+    fields=STEP_FIELDS,
+    flags=FLAGS,
+    defaults=STEP_DEFAULTS,
+    required=("task", "micro_batch_size", "seq_len"),
+    helps={
+        "world_size": "The estimate is the memory of one of them.",
+        "gradient_accumulation_steps": "The later ones run beside the gradients.",
+    },
+)
 def estimate_command(
     model: Annotated[
         str,
@@ -93,69 +92,14 @@ def estimate_command(
         ),
     ],
     *,
-    task: str = KNOB,
-    batch_size: Annotated[int, typer.Option(help="Samples per step (per micro-batch).")],
-    seq_len: Annotated[int, typer.Option(help="Tokens per sample (padded length).")],
-    num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
-    loss: Annotated[
-        str | None,
-        typer.Option(
-            help="sentence-embedding: mnrl | cached-mnrl | cosent | cosine | softmax",
-            show_default="mnrl",
-        ),
-    ] = None,
-    precision: Annotated[
-        str, typer.Option(help="fp32 | fp16 | bf16 (mixed precision: fp32 master weights).")
-    ] = "fp32",
-    optimizer: str = KNOB,
-    gradient_checkpointing: Annotated[
-        bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward.")
-    ] = False,
-    attn_implementation: Annotated[
-        str, typer.Option(help="sdpa | eager | flash_attention_2 (CUDA, sm80+, fp16/bf16)")
-    ] = "sdpa",
     mode: Annotated[str, typer.Option(help="train | eval")] = "train",
-    device: Annotated[
-        str, typer.Option(help="cuda | cpu: the device whose memory to predict.")
-    ] = "cuda",
     gpu_memory: Annotated[
         str | None, typer.Option(help="Budget to check against, e.g. 16GiB (2^30) or 16GB (10^9).")
     ] = None,
-    mini_batch_size: Annotated[
-        int | None,
-        typer.Option(help="--loss cached-mnrl: rows embedded at once.", show_default="32"),
-    ] = None,
-    lora_rank: Annotated[
-        int | None, typer.Option(help="Train LoRA adapters of this rank (peft) instead.")
-    ] = None,
-    lora_target_modules: Annotated[
-        str | None,
-        typer.Option(
-            help="LoRA targets, comma-separated: attention, mlp, module names, all-linear."
-        ),
-    ] = None,
-    max_seq_len: int | None = KNOB,
-    quantization: str | None = KNOB,
-    double_quant: bool | None = KNOB,
-    world_size: Annotated[
-        int, typer.Option(help="Data-parallel ranks: the memory of one of them.")
-    ] = 1,
-    sharding: Annotated[
-        str,
-        typer.Option(
-            help="How the ranks divide the model: none | zero1 | zero2 | zero3 (DeepSpeed) | fsdp."
-        ),
-    ] = "none",
     gpu: Annotated[
         str | None,
         typer.Option(help="A catalog GPU (memfit gpus): its memory is the budget."),
     ] = None,
-    gradient_accumulation_steps: Annotated[
-        int,
-        typer.Option(
-            help="Micro-batches per optimizer step: the later ones run beside the gradients."
-        ),
-    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot: Annotated[
         str | None,
@@ -163,13 +107,20 @@ def estimate_command(
     ] = None,
     overwrite: Overwrite = False,
     trace_depth: TraceDepth = "auto",
+    **knobs: Any,
 ) -> None:
     """Predict the peak memory of one steady-state training (or eval) step, offline."""
     if plot is not None:
         _check_plot(plot, model, overwrite)
+    knobs = given_knobs(knobs)
+    batch_size = knobs.pop("micro_batch_size")
+    task, seq_len, precision, device = (
+        knobs["task"], knobs["seq_len"], knobs["precision"], knobs["device"]
+    )  # fmt: skip
 
     # on screen before torch is imported (seconds); the estimator's report() calls refine it
     with progress.status("loading torch and transformers", subject=f"memfit estimate {model}"):
+        # start-up: torch and transformers load only when the estimate runs
         from memfit.estimate import estimate
 
         progress.report(
@@ -177,42 +128,26 @@ def estimate_command(
         )
         result = estimate(
             model,
-            task=task,
             batch_size=batch_size,
-            seq_len=seq_len,
-            precision=precision,
-            optimizer=optimizer,
-            gradient_checkpointing=gradient_checkpointing,
-            attn_implementation=attn_implementation,
             mode=mode,
-            device=device,
             gpu_memory=gpu_memory,
-            num_labels=num_labels,
-            loss=loss,
-            mini_batch_size=mini_batch_size,
-            lora_rank=lora_rank,
-            lora_target_modules=[x for x in (lora_target_modules or "").split(",") if x.strip()],
-            max_seq_len=max_seq_len,
-            world_size=world_size,
-            sharding=sharding,
             gpu=gpu,
-            gradient_accumulation_steps=gradient_accumulation_steps,
             trace_depth=trace_depth,
-            quantization=quantization or "none",
-            double_quant=bool(double_quant),
+            **knobs,
         )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
     else:
         print_estimate(result)
-        lines = (
-            _quantization_line(result.details),
-            _paged_line(result.details, optimizer, device),
-            _trace_depth_line(result.details),
-        )
-        for line in lines:
-            if line is not None:
+        for lever in LEVERS:
+            for line in lever.estimate_lines(result.details):
                 typer.echo(line)
+        for said in (
+            _paged_line(result.details, knobs["optimizer"], device),
+            _trace_depth_line(result.details),
+        ):
+            if said is not None:
+                typer.echo(said)
         for line in _gpu_lines(result.details, device):
             typer.echo(line)
     if plot is not None:
@@ -226,7 +161,7 @@ def _check_plot(plot: str, model: str, overwrite: bool) -> None:
     """A bad --plot path fails before the estimate's trace, not after it: the wrong suffix, a
     missing folder, the model's own file, an existing picture memfit did not draw without
     --overwrite (memfit.paths.destination_problems)."""
-    from memfit.paths import Kind, destination_problems, holds_mark, model_inputs
+    # optional: memfit.report.plots loads matplotlib (the [plot] extra)
     from memfit.report.plots import PLOT_MARKS
 
     if Path(plot).suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -246,6 +181,7 @@ def _check_plot(plot: str, model: str, overwrite: bool) -> None:
 def _draw(result: Any, plot: str, title: str, *, subject: str) -> None:
     """The estimate's breakdown as a picture in ``plot`` (matplotlib loads: a status line)."""
     with progress.status(f"drawing {plot}", subject=subject):
+        # optional: matplotlib (the [plot] extra)
         from memfit.report.plots import breakdown_plot, save_figure
 
         figure = breakdown_plot(result.breakdown, budget=result.budget_bytes, title=title)

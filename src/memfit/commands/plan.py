@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from memfit import progress
-from memfit.commands._options import KNOB, Overwrite, TraceDepth, job_knobs
+from memfit.commands._options import Overwrite, TraceDepth, given_knobs, job_options
 from memfit.config import write_config as write_run_config
+from memfit.data.columns import ANCHOR_COLUMN, POSITIVE_COLUMN, TEXT_COLUMN, text_columns
+from memfit.data.instructions import flag_problems
+from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
-from memfit.job import round_seq_len
+from memfit.job import STEP_DEFAULTS, round_seq_len
+from memfit.levers import ALLOWABLE
 from memfit.paths import (
     Kind,
     check_writable_file,
@@ -30,63 +34,63 @@ if TYPE_CHECKING:
     from memfit.plan import DataProfile
 
 
-@job_knobs
+# what the plan chooses itself, so no flag of memfit plan sets it: the micro-batch and its
+# accumulation (or token budget), the cached loss's mini-batch, checkpointing, the attention
+# kernel, the optimizer and truncation (the last two when --allow names them), LoRA's targets
+# and the device; the job's other knobs are the job (or pins the plan keeps)
+PLANNED = (
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "max_tokens_per_micro_batch",
+    "mini_batch_size",
+    "gradient_checkpointing",
+    "attn_implementation",
+    "optimizer",
+    "max_seq_len",
+    "lora_target_modules",
+    "device",
+)
+
+
+@job_options(
+    exclude=("model", *PLANNED),
+    defaults={name: STEP_DEFAULTS[name] for name in ("num_labels", "world_size")},
+    required=("task", "effective_batch_size"),
+    helps={"world_size": "The budget is per GPU.", "precision": "Pins it."},
+    shown_defaults={
+        "seq_len": "with --train-file, its longest sample",
+        "precision": "the plan chooses",
+    },
+)
 def plan_command(
     model: Annotated[str, typer.Argument(help="A known name, a model folder or a config.json.")],
     *,
-    task: str = KNOB,
-    effective_batch_size: Annotated[
-        int, typer.Option(help="Samples per optimizer step, over all GPUs: kept exactly.")
-    ],
-    seq_len: Annotated[
-        int | None,
-        typer.Option(
-            help="Tokens per sample (padded length).",
-            show_default="with --train-file, its longest sample",
-        ),
-    ] = None,
     gpu_memory: Annotated[
         str | None, typer.Option(help="The budget, e.g. 16GiB (2^30) or 16GB (10^9).")
     ] = None,
     gpu: Annotated[
         str | None, typer.Option(help="A catalog GPU (memfit gpus): its memory and speed.")
     ] = None,
-    precision: Annotated[
-        str | None, typer.Option(help="Pin fp32 | fp16 | bf16.", show_default="the plan chooses")
-    ] = None,
-    loss: Annotated[
-        str | None,
-        typer.Option(
-            help="sentence-embedding: mnrl | cosent | cosine | softmax", show_default="mnrl"
-        ),
-    ] = None,
-    num_labels: Annotated[int, typer.Option(help="Classes of a classification head.")] = 2,
-    world_size: Annotated[
-        int, typer.Option(help="GPUs sharing the effective batch (the budget is per GPU).")
-    ] = 1,
-    sharding: Annotated[
-        str,
-        typer.Option(
-            help="How the GPUs divide the model: none | zero1 | zero2 | zero3 (DeepSpeed) | fsdp."
-        ),
-    ] = "none",
     allow: Annotated[
         str | None,
         typer.Option(
-            help="Levers that change the recipe, comma-separated: optimizer,truncation,lora,"
-            "quantization (quantization needs lora or --lora-rank)"
+            help="Levers that change the recipe, comma-separated: "
+            + ",".join(ALLOWABLE)
+            + " (quantization needs lora or --lora-rank)"
         ),
     ] = None,
-    lora_rank: int | None = KNOB,
-    quantization: str | None = KNOB,
-    double_quant: bool | None = KNOB,
     train_file: Annotated[
         str | None,
         typer.Option(help="Training data (file or folder, as memfit train reads) for lengths."),
     ] = None,
     text_column: Annotated[
-        str, typer.Option(help="Text column(s) of --train-file, comma-separated.")
-    ] = "text",
+        str | None,
+        typer.Option(
+            help="Text column(s) of --train-file, comma-separated.",
+            show_default=f"{TEXT_COLUMN}; sentence-embedding: the pair's "
+            f"{ANCHOR_COLUMN},{POSITIVE_COLUMN}, as memfit train reads them",
+        ),
+    ] = None,
     tokenizer: Annotated[
         str | None,
         typer.Option(
@@ -114,19 +118,28 @@ def plan_command(
     ] = None,
     overwrite: Overwrite = False,
     trace_depth: TraceDepth = "auto",
+    **knobs: Any,
 ) -> None:
     """Fit a fine-tuning job into a memory budget, effective batch kept; exit 3 if nothing fits."""
     if write_config is not None:
         # a folder that is missing or read-only fails now, not after the plan's traces
         check_writable_file(write_config, "--write-config")
         _check_config_destination(write_config, model, train_file, tokenizer, overwrite)
+    knobs = given_knobs(knobs)
+    task, seq_len = knobs["task"], knobs.pop("seq_len")
     levers = [a for a in (allow or "").split(",") if a.strip()]
-    columns = [c.strip() for c in text_column.split(",") if c.strip()]
+    # the columns memfit train reads for the task, unless --text-column names others
+    columns = (
+        text_columns(task)
+        if text_column is None
+        else [c.strip() for c in text_column.split(",") if c.strip()]
+    )
     if train_file is None and seq_len is None:
         raise UsageError(
             "--seq-len is required (or give --train-file to take it from the data's longest sample)"
         )
-    if train_file is None and (tokenizer or text_column != "text"):
+    # the task's own column named without a file is what plan reads anyway: nothing to refuse
+    if train_file is None and (tokenizer or text_column not in (None, TEXT_COLUMN)):
         raise UsageError("--text-column and --tokenizer describe --train-file: give it too")
     if train_file is not None and not columns:
         raise UsageError("--text-column: give at least one column name")
@@ -136,44 +149,37 @@ def plan_command(
         "messages_column": messages_column,
     }
     if any(v is not None for v in instructions.values()):
-        from memfit.data.instructions import flag_problems
-
         if train_file is None:
             raise UsageError(
                 "--prompt-column/--completion-column/--messages-column describe --train-file: "
                 "give it too"
             )
-        problems = flag_problems(task=task, packing=False, text_column=text_column, **instructions)
+        problems = flag_problems(
+            task=task, packing=False, text_column=text_column or TEXT_COLUMN, **instructions
+        )
         if problems:
             raise UsageError(problems[0])
     # on screen before torch is imported; the estimates the plan runs refine it
     with progress.status("loading torch and transformers", subject=f"memfit plan {model}"):
+        # start-up: torch and transformers load only when the plan runs
         from memfit.plan import plan
 
         profile, tokenizer, seq_len, seq_len_note = _data_lengths(
             model, train_file, columns, tokenizer, seq_len, instructions
         )
         budget = gpu_memory or gpu or "this machine's GPU"
+        effective_batch_size = knobs["effective_batch_size"]
         progress.report(f"fitting batch {effective_batch_size} × {seq_len} tokens into {budget}")
         result = plan(
             model,
-            task=task,
             seq_len=seq_len,
-            effective_batch_size=effective_batch_size,
             gpu_memory=gpu_memory,
             gpu=gpu,
-            loss=loss,
-            world_size=world_size,
-            sharding=sharding,
             allow=levers,
-            precision=precision,
             data_profile=profile,
             safety_margin=safety_margin,
-            num_labels=num_labels,
             trace_depth=trace_depth,
-            lora_rank=lora_rank,
-            quantization=quantization,
-            double_quant=double_quant,
+            **knobs,
         )
     if seq_len_note is not None:
         result.explanation.insert(0, seq_len_note)
@@ -186,8 +192,14 @@ def plan_command(
             for line in result.explanation
         ]
     if write_config is not None and result.chosen is not None:
-        job = {"model": model, "task": task, "num_labels": num_labels, "seq_len": seq_len}
-        data = {"train_file": train_file, "columns": columns, "tokenizer": tokenizer}
+        job = {"model": model, "task": task, "num_labels": knobs["num_labels"], "seq_len": seq_len}
+        # the columns a sentence-embedding run reads by default need no key
+        named = text_column is not None or task != "sentence-embedding"
+        data = {
+            "train_file": train_file,
+            "columns": columns if named else [],
+            "tokenizer": tokenizer,
+        }
         data |= instructions
         _write_plan(write_config, result, job, effective_batch_size, data, safety_margin)
     if as_json:
@@ -215,8 +227,6 @@ def _check_config_destination(
 ) -> None:
     """--write-config is never the model, its data or its tokenizer, and replaces an existing
     file memfit did not write only with --overwrite (memfit.paths.destination_problems)."""
-    from memfit.data.sources import resolve_sources
-
     inputs = model_inputs(model, "MODEL")
     if train_file is not None:
         try:
@@ -244,6 +254,7 @@ def _data_lengths(
     """With --train-file: its length profile (instruction rows as rendered) and the tokenizer
     folder that counted them. The sequence length: --seq-len, else the data's longest sample
     (and a line saying so)."""
+    # start-up: memfit.plan loads torch
     from memfit.plan.data_profile import DataProfile, tokenizer_folder
 
     profile = None
@@ -261,6 +272,7 @@ def _data_lengths(
     if seq_len is not None:
         return profile, tokenizer, seq_len, None
     assert profile is not None
+    # start-up: resolving a model loads transformers (memfit.models.registry)
     from memfit.models import resolve_model
 
     max_positions = resolve_model(model).max_positions
@@ -278,13 +290,15 @@ def _data_lengths(
     return profile, tokenizer, seq_len, note
 
 
-def _data_flags(text_column: str, instructions: dict[str, str | None]) -> str:
+def _data_flags(text_column: str | None, instructions: dict[str, str | None]) -> str:
     """How memfit train reads --train-file, as flags: the instruction columns, or a text column
     other than the default."""
     given = {k: v for k, v in instructions.items() if v is not None}
     if given:
         return " ".join(f"--{k.replace('_', '-')} {shlex.quote(v)}" for k, v in given.items())
-    return "" if text_column == "text" else f"--text-column {shlex.quote(text_column)}"
+    if text_column is None or text_column == TEXT_COLUMN:
+        return ""
+    return f"--text-column {shlex.quote(text_column)}"
 
 
 def _write_plan(
@@ -306,7 +320,7 @@ def _write_plan(
         "effective_batch_size": effective_batch_size,
         "train_file": train_file,
         "text_column": None
-        if train_file is None
+        if train_file is None or not columns
         else (columns[0] if len(columns) == 1 else columns),
         "tokenizer": data["tokenizer"],
         "prompt_column": data.get("prompt_column"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import signal
+import threading
 import typing
 from typing import Annotated, Any
 
@@ -17,24 +19,26 @@ from memfit.commands._options import field_parameter, train_setup_status, with_p
 from memfit.config import load_config
 from memfit.errors import UsageError
 from memfit.job import JOB_FIELDS, flag_of, parse_target_modules
+from memfit.levers import BY_NAME
 from memfit.paths import check_writable_dir
 from memfit.runtime import launched_world_size
 from memfit.train.config import INHERITED_HELP, SHOWN_DEFAULTS, TrainConfig
+from memfit.train.peers import RankLostError
 from memfit.train.sagemaker import environment_settings, publish_model
 from memfit.units import parse_size
 
-# the order memfit train --help lists its flags in (a flag not named here follows, in field order)
+# the order memfit train --help lists its flags in: a field, or a lever (memfit.levers) for its
+# fields in order (a field placed already keeps its place); a flag not named here follows, in
+# field order
 FLAG_ORDER = (
     "task", "model", "train_file", "eval_file", "output_dir", "text_column", "label_column",
     "text_pair_column", "anchor_column", "positive_column", "loss", "packing",
     "effective_batch_size", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio",
     "lr_scheduler", "max_grad_norm", "optimizer", "seed", "gpu_memory", "memory_cap",
-    "save_every", "save_total_limit", "eval_every", "resume", "device", "micro_batch_size",
-    "gradient_accumulation_steps", "world_size", "sharding", "precision",
-    "gradient_checkpointing", "max_seq_len", "mini_batch_size", "max_tokens_per_micro_batch",
-    "labels", "num_labels", "skip_bad_rows", "cache_dir", "group_by_length", "probe", "padding",
-    "memory_snapshot", "lora_rank", "lora_target_modules", "quantization", "double_quant",
-    "merge_lora", "report_to",
+    "save_every", "save_total_limit", "eval_every", "resume", "device", "batch", "sharding",
+    "precision", "checkpointing", "truncation", "mini-batch", "labels", "num_labels",
+    "skip_bad_rows", "cache_dir", "group_by_length", "probe", "padding", "memory_snapshot",
+    "lora", "quantization", "merge_lora", "report_to",
 )  # fmt: skip
 # a planned config's keys that describe the plan, not the run
 PLAN_ONLY_KEYS = ("gpu", "budget_bytes", "safety_margin", "predicted_peak_bytes", "tokenizer")
@@ -52,7 +56,11 @@ def _flag_fields() -> list[dataclasses.Field[Any]]:
         for f in dataclasses.fields(TrainConfig)
         if (_job_help(f) if f.name in JOB_FIELDS else f.metadata.get("cli", True))
     ]
-    rank = {name: k for k, name in enumerate(FLAG_ORDER)}
+    rank: dict[str, int] = {}
+    for name in FLAG_ORDER:
+        lever = BY_NAME.get(name)
+        for field in lever.fields if lever is not None else (name,):
+            rank.setdefault(field, len(rank))
     return sorted(fields, key=lambda f: rank.get(f.name, len(rank)))
 
 
@@ -62,6 +70,12 @@ def _job_help(f: dataclasses.Field[Any]) -> str | None:
 
 
 FLAG_FIELDS = _flag_fields()
+# the job's knobs that are lists of names: "a,b" on the command line (and in a config file)
+_LIST_KNOBS = tuple(
+    name
+    for name, hint in typing.get_type_hints(TrainConfig).items()
+    if name in JOB_FIELDS and "list[" in str(hint)
+)
 
 
 def _switch(f: dataclasses.Field[Any]) -> bool:
@@ -176,7 +190,7 @@ def _given(knobs: dict[str, Any]) -> dict[str, Any]:
         value = knobs[f.name]
         if value is None or (value is False and _switch(f)) or f.name == "resume":
             continue
-        if f.name == "lora_target_modules":
+        if f.name in _LIST_KNOBS:
             value = parse_target_modules(value)
         elif f.metadata.get("comma_list"):
             value = [x.strip() for x in value.split(",")]
@@ -246,9 +260,10 @@ def _settings(config: str | None, knobs: dict[str, Any]) -> dict[str, Any]:
         loaded = load_config(config)
         for key in (*PLAN_ONLY_KEYS, "num_labels"):
             loaded.pop(key, None)
-        if isinstance(loaded.get("lora_target_modules"), str):
-            # "attention,mlp" in the file, as on the command line
-            loaded["lora_target_modules"] = parse_target_modules(loaded["lora_target_modules"])
+        for name in _LIST_KNOBS:
+            if isinstance(loaded.get(name), str):
+                # "attention,mlp" in the file, as on the command line
+                loaded[name] = parse_target_modules(loaded[name])
         settings.update(loaded)
     given = _given(knobs)
     if "gradient_accumulation_steps" not in given and any(
@@ -304,16 +319,12 @@ def train_command(config: str | None = None, **knobs: Any) -> None:
             f"loading {settings['model']}, tokenizing {settings['train_file']}, "
             "planning the micro-batch"
         )
-        # the run itself loads torch and transformers: under the status line, not at startup
-        from memfit.train.peers import RankLostError
+        # start-up: the run itself loads torch and transformers, under the status line
         from memfit.train.run import train
 
         try:
             result = train(TrainConfig(**settings, resume=resume))
         except RankLostError:
-            import signal
-            import threading
-
             # another rank is gone: on one host torchrun's agent now stops this one (SIGTERM);
             # it is ending anyway, and says why first
             if threading.current_thread() is threading.main_thread():

@@ -93,7 +93,7 @@ def _limit_memory(extra: int) -> Any:
     """Cap this process's address space at what it maps now plus ``extra`` bytes; returns the
     limits to restore (None where the system has no such limit: only the time limit holds)."""
     try:
-        import resource
+        import resource  # optional: Unix only (elsewhere the time limit alone holds)
 
         before = resource.getrlimit(resource.RLIMIT_AS)
         now = _address_space()
@@ -112,7 +112,7 @@ def _limit_cpu(seconds: float) -> Any:
     """Let this process use ``seconds`` (and :data:`CPU_SLACK`) more CPU time, then the system
     ends it (SIGXCPU); returns the limits to restore (None where there is no such limit)."""
     try:
-        import resource
+        import resource  # optional: Unix only
 
         before = resource.getrlimit(resource.RLIMIT_CPU)
         usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -127,7 +127,7 @@ def _limit_cpu(seconds: float) -> Any:
 
 def _restore(kind: str, limits: Any) -> None:
     if limits is not None:
-        import resource
+        import resource  # optional: Unix only (limits is None elsewhere)
 
         resource.setrlimit(getattr(resource, kind), limits)
 
@@ -145,6 +145,7 @@ def _death_signal(parent: int) -> bool:
     """Linux: SIGUSR1 when the thread that started this process ends; this ends only when its
     process did (the parent id changed), not when the parent's thread alone ended."""
     try:
+        # optional: ctypes and prctl's parent-death signal (Linux only; elsewhere a watcher thread)
         import ctypes
         import signal
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)  # stray prints must not corrupt the protocol channel
     requests = os.fdopen(os.dup(0), "rb")
     try:
-        import resource
+        import resource  # optional: Unix only
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core file behind
     except (ImportError, ValueError, OSError):
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
 
     threading.Thread(target=read, daemon=True).start()
+    # start-up: the parent imports this module's framing without transformers
     from transformers.utils.chat_template_utils import render_jinja_template
 
     send_frame(protocol, {"ready": True})

@@ -455,6 +455,7 @@ def _jinja_tokenizer(tokenizer: Any) -> bool:
     """Whether ``tokenizer`` renders chats with transformers' Jinja renderer (its
     ``apply_chat_template`` is the one of ``PreTrainedTokenizerBase``)."""
     try:
+        # start-up: transformers takes a second or more to import; reading data needs none
         from transformers import PreTrainedTokenizerBase
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False

@@ -262,6 +262,7 @@ def _value_end(text: str, start: int) -> int | None:
 
 
 def _parquet_records(path: Path, columns: Sequence[str]) -> Iterator[RawRecord]:
+    # start-up: pyarrow (which datasets installs) is imported only for a Parquet file
     import pyarrow.parquet as pq
 
     try:
@@ -286,6 +287,7 @@ def _parquet_records(path: Path, columns: Sequence[str]) -> Iterator[RawRecord]:
 
 
 def _saved_records(source: Source, columns: Sequence[str]) -> Iterator[RawRecord]:
+    # start-up: datasets takes a second or more to import; only a saved dataset needs it
     from datasets import load_from_disk
 
     try:

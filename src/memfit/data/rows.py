@@ -109,19 +109,46 @@ class Problem:
 
 
 class DataError(UsageError):
-    """Bad data: every problem found, one line each (exit 2)."""
+    """Bad data: every problem found, one line each (a reason many rows of a file share: one
+    line, :func:`_lines`), exit 2."""
 
     def __init__(self, problems: Sequence[Problem]) -> None:
         self.problems = list(problems)
         self.labels: set[str] = set()  # the label values of the rows that were good
-        shown = [str(p) for p in self.problems[:SHOWN_PROBLEMS]]
-        rest = len(self.problems) - len(shown)
+        lines = _lines(self.problems)
+        rest = len(self.problems) - sum(count for _, count in lines[:SHOWN_PROBLEMS])
+        shown = [line for line, _ in lines[:SHOWN_PROBLEMS]]
         if rest > 0:
             shown.append(
                 f"… and {rest} more problems ({len(self.problems)} in all; --skip-bad-rows skips "
                 "bad rows and lists each in DIR/skipped_rows.jsonl)"
             )
         super().__init__("\n".join(shown))
+
+
+# a reason shared by more rows of a file than this (a column missing from the file) is one line
+SAME_REASON_LINES = 3
+
+
+def _lines(problems: Sequence[Problem]) -> list[tuple[str, int]]:
+    """A refusal's lines, in order, each with how many problems it stands for: one a problem,
+    but a reason shared by more than :data:`SAME_REASON_LINES` rows of a file is one line, where
+    it first occurs, naming that row and how many more (never the same sentence for every row)."""
+    groups: dict[tuple[str, str, str, str], list[Problem]] = {}
+    for problem in problems:
+        groups.setdefault((problem.flag, problem.file, problem.unit, problem.reason), []).append(
+            problem
+        )
+    lines: list[tuple[str, int]] = []
+    for problem in problems:
+        group = groups[(problem.flag, problem.file, problem.unit, problem.reason)]
+        if len(group) <= SAME_REASON_LINES or problem.line is None:
+            lines.append((str(problem), 1))
+        elif problem is group[0]:
+            more = len(group) - 1
+            line = f"{problem.flag}: {problem.file} {problem.unit} {problem.line} and {more} more"
+            lines.append((f"{line} {problem.unit}s: {problem.reason}", len(group)))
+    return lines
 
 
 def problem_at(where_text: str, reason: str) -> Problem:
@@ -367,6 +394,7 @@ def _cache_folder(cache_dir: str | None) -> Path:
     if cache_dir:
         folder = Path(cache_dir)
     else:
+        # start-up: datasets takes a second or more to import; only its cache folder needs it
         from datasets import config
 
         folder = Path(config.HF_DATASETS_CACHE)
@@ -437,6 +465,7 @@ def read_rows(
                 )
             ]
         )
+    # start-up: datasets takes a second or more to import; reading and checking rows needs none
     from datasets import Dataset, Features, Value
     from datasets.utils.logging import disable_progress_bar
 

@@ -144,6 +144,7 @@ ASSUMED_GPU = "a100-80gb"
 def detect_gpu() -> tuple[Gpu, int, int] | None:
     """The GPU of this machine: (catalog entry if known, total bytes, free bytes); None without."""
     try:
+        # start-up: the GPU catalog is read by quick verbs that never load torch
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
         return None

@@ -81,6 +81,7 @@ def cuda_profile(
     capability: tuple[int, int] | None = None, torch_version: str | None = None
 ) -> CudaProfile:
     """The profile for a compute capability (detected when a GPU is present)."""
+    # start-up: memfit.devices is read by quick verbs that never load torch
     import torch
 
     if capability is None and torch.cuda.is_available():

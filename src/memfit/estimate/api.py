@@ -9,34 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+import typing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from memfit.devices.catalog import Gpu, find_gpu
 from memfit.devices.profiles import CudaProfile, cuda_profile, sdpa_sm
 from memfit.errors import UsageError
-from memfit.estimate import traces
+from memfit.estimate import quantized, quantized_count, traces
 from memfit.estimate.attention import attention_run
 from memfit.estimate.flash_attention_emulation import flash_attention_gpu_problem
 from memfit.estimate.replay import Peak
 from memfit.estimate.sharding import ddp_bucket_sizes, none_details
 from memfit.estimate.sharding import layout as sharding_layout
-from memfit.estimate.trace import CATEGORIES
+from memfit.estimate.step_trace import CATEGORIES
 from memfit.estimate.traces import NotTraced, Traced, hidden_size
 from memfit.estimate.workload import StepSpec
 from memfit.extras import problems as missing_packages
 from memfit.job import (
     DEFAULT_LOSS,
     DEFAULT_MINI_BATCH_SIZE,
+    JOB_FIELDS,
     MODES,
-    QUANTIZATIONS,
+    STEP_DEFAULTS,
+    STEP_FIELDS,
     TRACE_DEPTHS,
     Job,
     choice_problem,
+    parse_target_modules,
     positions_problem,
     resolve_loss,
+    whole,
 )
+from memfit.models import resolve_model
 from memfit.units import parse_size
 
 BREAKDOWN_KEYS = (*CATEGORIES, "allocator_overhead", "runtime_overhead")
@@ -77,91 +82,87 @@ class Estimate:
         }
 
 
-def validate(
-    *,
-    task: str,
-    batch_size: Any,
-    seq_len: Any,
-    precision: str,
-    optimizer: str,
-    attn_implementation: str,
-    mode: str,
-    device: str,
-    num_labels: Any,
-    loss: str | None,
-    mini_batch_size: Any = None,
-    lora_rank: Any = None,
-    max_seq_len: Any = None,
-    world_size: Any = 1,
-    sharding: Any = "none",
-    lora_target_modules: Any = None,
-    quantization: Any = "none",
-    double_quant: Any = False,
-) -> tuple[StepSpec, list[str]]:
-    """Check every knob at once; return the spec and the list of problems (empty when fine).
+# StepSpec's names for the job's knobs that it spells otherwise
+_SPEC_NAMES = {"lora_target_modules": "lora_targets"}
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(StepSpec))
+# the job's fields estimate() takes as keywords (the micro-batch is its ``batch_size``)
+_KEYWORDS = frozenset(STEP_FIELDS) - {"micro_batch_size"}
+_SPEC_DEFAULTS = frozenset(
+    f.name for f in dataclasses.fields(StepSpec) if f.default is not dataclasses.MISSING
+)
+# the knobs that are lists of names
+_LIST_FIELDS = frozenset(
+    name for name, hint in typing.get_type_hints(Job).items() if "list[" in str(hint)
+)
+
+
+def step_job(model: str, *, batch_size: Any, **knobs: Any) -> Job:
+    """The :class:`Job` of :func:`estimate`'s keywords: ``batch_size`` is its micro-batch,
+    ``knobs`` its other fields (:data:`~memfit.job.STEP_FIELDS`); a knob not given (or None, as
+    in a :class:`Job`) is the step's default (:data:`~memfit.job.STEP_DEFAULTS`). A keyword that
+    is no knob of a step is a TypeError, as a function's unknown keyword is."""
+    given = {name: value for name, value in knobs.items() if value is not None}
+    for name in knobs:
+        # a knob of the job a step does not take is welcome only as None (not given)
+        if name not in JOB_FIELDS or (name in given and name not in _KEYWORDS):
+            raise TypeError(f"estimate() got an unexpected keyword argument {name!r}")
+    values = {**STEP_DEFAULTS, **given, "micro_batch_size": batch_size}
+    for name, value in values.items():
+        if name in _LIST_FIELDS and isinstance(value, str | list | tuple):
+            # "attention,mlp" or a sequence of names, as memfit train takes them
+            values[name] = parse_target_modules(value)
+    world: Any = values.get("world_size")
+    # an estimate has no effective batch: the ranks' whole one splits evenly by definition
+    return Job(model=model, effective_batch_size=world if whole(world) else 1, **values)
+
+
+def validate(job: Job, *, mode: str = "train") -> tuple[StepSpec, list[str]]:
+    """Check every knob of ``job`` at once; return the step's spec and the list of problems
+    (empty when fine).
 
     The checks are the job's (:meth:`memfit.job.Job.problems`), with the flags as ``memfit
-    estimate`` spells them; ``--mode`` is the estimate's own.
+    estimate`` spells them; ``--mode`` is the estimate's own. No loss given is the task's
+    default here (an estimate is of one definite step).
     """
-    job = Job(
-        model="",  # resolved by the caller
-        task=task,
-        micro_batch_size=batch_size,
-        seq_len=seq_len,
-        num_labels=num_labels,
-        # no loss given is the task's default here (an estimate is of one definite step)
-        loss=loss if loss is not None else DEFAULT_LOSS.get(task),
-        precision=precision,
-        optimizer=optimizer,
-        attn_implementation=attn_implementation,
-        device=device,
-        mini_batch_size=mini_batch_size,
-        lora_rank=lora_rank,
-        lora_target_modules=list(lora_target_modules) if lora_target_modules else None,
-        quantization=quantization,
-        double_quant=double_quant,
-        max_seq_len=max_seq_len,
-        world_size=world_size,
-        sharding=sharding,
-        # an estimate has no effective batch: the ranks' whole one splits evenly by definition
-        effective_batch_size=world_size if _whole(world_size) else 1,
-    )
-    problems = job.problems(
+    checked = job
+    if job.loss is None and job.task in DEFAULT_LOSS:
+        checked = dataclasses.replace(job, loss=DEFAULT_LOSS[job.task])
+    problems = checked.problems(
         flags={"micro_batch_size": "--batch-size"},
-        required=(
-            "task",
-            "micro_batch_size",
-            "seq_len",
-            "num_labels",
-            "precision",
-            "optimizer",
-            "attn_implementation",
-            "device",
-            "sharding",
-        ),
+        required=("micro_batch_size", "seq_len", "num_labels", *_REQUIRED),
     )
     if problem := choice_problem("--mode", mode, MODES):
         problems.append(problem)
-    spec = StepSpec(
-        task=task,
-        precision=precision,
-        optimizer=optimizer,
-        gradient_checkpointing=False,
-        attn_implementation=attn_implementation,
-        mode=mode,
-        device=device,
-        num_labels=num_labels if isinstance(num_labels, int) else 2,
-        loss=resolve_loss(task, loss, []),
-        lora_rank=lora_rank if _whole(lora_rank, minimum=0) else 0,
-        lora_targets=tuple(str(x).strip() for x in lora_target_modules or () if str(x).strip()),
-        quantization=quantization if quantization in QUANTIZATIONS else "none",
-        double_quant=double_quant is True,
-    )
-    return spec, problems
+    return step_spec(job, mode), problems
 
 
-def _whole(value: Any, minimum: int = 1) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+# the named choices a step cannot leave unset: those with a default (the step's or the job's)
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(Job)
+    if f.metadata.get("choices") is not None and (f.name in STEP_DEFAULTS or f.default is not None)
+)
+
+
+def step_spec(job: Job, mode: str = "train") -> StepSpec:
+    """The step the estimator traces (and :mod:`memfit._measure_child` runs) for ``job``: each
+    field of :class:`StepSpec` that is a knob of the job takes the job's value (None, or a value
+    the checks refuse: the step's default), the loss resolved (the task's default when none)."""
+    values: dict[str, Any] = {}
+    for name in STEP_FIELDS:
+        field_name = _SPEC_NAMES.get(name, name)
+        value = getattr(job, name)
+        if field_name not in _SPEC_FIELDS or value is None:
+            continue
+        f = Job.__dataclass_fields__[name]
+        refused = (
+            f.metadata.get("choices") is not None and value not in f.metadata["choices"]
+        ) or (f.metadata.get("minimum") is not None and not whole(value, f.metadata["minimum"]))
+        if refused and field_name in _SPEC_DEFAULTS:
+            continue
+        values[field_name] = tuple(value) if isinstance(value, list) else value
+    values["loss"] = resolve_loss(job.task, job.loss, [])
+    return StepSpec(**values, mode=mode)
 
 
 def estimate(
@@ -170,85 +171,50 @@ def estimate(
     task: str,
     batch_size: int,
     seq_len: int,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    gradient_checkpointing: bool = False,
-    attn_implementation: str = "sdpa",
     mode: str = "train",
-    device: str = "cuda",
     gpu_memory: int | str | None = None,
-    num_labels: int = 2,
-    loss: str | None = None,
-    mini_batch_size: int | None = None,
-    lora_rank: int | None = None,
-    max_seq_len: int | None = None,
-    world_size: int = 1,
     gpu: str | None = None,
-    gradient_accumulation_steps: int = 1,
-    sharding: str = "none",
-    lora_target_modules: Sequence[str] | None = None,
     trace_depth: str = "auto",
-    quantization: str = "none",
-    double_quant: bool = False,
+    **knobs: Any,
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
 
     Traces the real transformers model code on fake tensors the first time a model and set of
     knobs is seen (seconds), then answers other batch sizes and sequence lengths in milliseconds.
 
-    The knobs a plan chooses are all here: ``loss="cached-mnrl"`` with ``mini_batch_size`` (the
-    gradient-cached in-batch-negatives loss; ``batch_size`` is then the whole batch),
-    ``lora_rank`` (LoRA adapters via peft; 0 or None: full fine-tuning), ``max_seq_len``
-    (truncation: sequences are cut to it) and ``world_size`` with ``sharding`` (the memory of one
-    of ``world_size`` ranks; ``sharding`` none | zero1 | zero2 | zero3 | fsdp says how they
-    divide parameters, gradients and optimizer state: see :mod:`memfit.estimate.sharding`;
-    none is memfit's data parallelism, gradients all-reduced in place). ``gpu`` names a catalog
-    GPU (see ``memfit plan --gpu``):
-    its generation's cuBLAS workspace, and its memory as the budget unless ``gpu_memory`` is given.
-    ``lora_target_modules``: the adapters' targets as ``memfit train --lora-target-modules``
-    takes them (groups attention/mlp, module names, all-linear; default attention).
-    ``gradient_accumulation_steps`` > 1: the micro-batches after the first run forward and
-    backward while the gradients of the earlier ones are alive (and add theirs in place).
-    ``trace_depth``: ``auto`` traces two shallow copies of the model (3 and 4 layers, or more
-    where layers alternate) and writes out the trace of every layer exactly (see
-    :mod:`memfit.estimate.depth`; ``details["trace_depth"]`` says what was done), falling back
-    to the whole model where the layers do not repeat; ``full`` always traces every layer.
-    ``quantization`` nf4 | fp4 | int8 (with ``lora_rank``: QLoRA) holds the frozen base weights
-    as bitsandbytes does, 4-bit ones with ``double_quant`` optionally, computing in the
-    ``precision``'s dtype (see :mod:`memfit.estimate.quantized`; ``details["quantization"]``).
-    The paged optimizers' state in CUDA unified memory is not in a CUDA estimate's total:
-    ``details["paged_optimizer_state_bytes"]``.
+    ``knobs`` are the job's (:class:`memfit.job.Job`'s fields, :data:`~memfit.job.STEP_FIELDS`;
+    ``memfit estimate --help`` lists them), each the step's default when not given
+    (:data:`~memfit.job.STEP_DEFAULTS`: fp32, AdamW, SDPA, CUDA, one rank, ...); ``batch_size``
+    is the step's micro-batch. The knobs a plan chooses are all among them: ``loss="cached-mnrl"``
+    with ``mini_batch_size`` (the gradient-cached in-batch-negatives loss; ``batch_size`` is then
+    the whole batch), ``lora_rank`` (LoRA adapters via peft; 0 or None: full fine-tuning),
+    ``max_seq_len`` (truncation: sequences are cut to it) and ``world_size`` with ``sharding``
+    (the memory of one of ``world_size`` ranks; ``sharding`` none | zero1 | zero2 | zero3 | fsdp
+    says how they divide parameters, gradients and optimizer state: see
+    :mod:`memfit.estimate.sharding`; none is memfit's data parallelism, gradients all-reduced in
+    place). ``lora_target_modules``: the adapters' targets as ``memfit train
+    --lora-target-modules`` takes them (groups attention/mlp, module names, all-linear; default
+    attention). ``gradient_accumulation_steps`` > 1: the micro-batches after the first run
+    forward and backward while the gradients of the earlier ones are alive (and add theirs in
+    place). ``quantization`` nf4 | fp4 | int8 (with ``lora_rank``: QLoRA) holds the frozen base
+    weights as bitsandbytes does (4-bit ones with their block scales optionally quantized again),
+    computing in the ``precision``'s dtype (see :mod:`memfit.estimate.quantized`;
+    ``details["quantization"]``). The paged optimizers' state in CUDA unified memory is not in a
+    CUDA estimate's total: ``details["paged_optimizer_state_bytes"]``.
+
+    The estimate's own keywords: ``mode`` train | eval; ``gpu`` names a catalog GPU (see
+    ``memfit plan --gpu``): its generation's cuBLAS workspace, and its memory as the budget
+    unless ``gpu_memory`` is given. ``trace_depth``: ``auto`` traces two shallow copies of the
+    model (3 and 4 layers, or more where layers alternate) and writes out the trace of every
+    layer exactly (see :mod:`memfit.estimate.depth`; ``details["trace_depth"]`` says what was
+    done), falling back to the whole model where the layers do not repeat; ``full`` always
+    traces every layer.
     """
-    checked = _checked(
-        model,
-        task=task,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer=optimizer,
-        attn_implementation=attn_implementation,
-        mode=mode,
-        device=device,
-        gpu_memory=gpu_memory,
-        num_labels=num_labels,
-        loss=loss,
-        mini_batch_size=mini_batch_size,
-        lora_rank=lora_rank,
-        max_seq_len=max_seq_len,
-        world_size=world_size,
-        gpu=gpu,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        sharding=sharding,
-        lora_target_modules=lora_target_modules,
-        trace_depth=trace_depth,
-        quantization=quantization,
-        double_quant=double_quant,
-    )
-    model_spec, seq_len = checked.model_spec, checked.seq_len
-    accumulate = gradient_accumulation_steps > 1 and checked.spec.mode == "train"
-    spec = StepSpec(
-        **{**checked.spec.__dict__, "gradient_checkpointing": bool(gradient_checkpointing)}
-    )
+    job = step_job(model, batch_size=batch_size, task=task, seq_len=seq_len, **knobs)
+    checked = _checked(job, mode=mode, gpu_memory=gpu_memory, gpu=gpu, trace_depth=trace_depth)
+    model_spec, seq_len, spec = checked.model_spec, checked.seq_len, checked.spec
+    accumulation = job.gradient_accumulation_steps or 1  # checked: a whole number
+    accumulate = accumulation > 1 and spec.mode == "train"
     card = checked.card
     if card is not None and spec.device == "cuda":
         # the attention kernels of the GPU's generation: no flash attention before sm80
@@ -258,16 +224,16 @@ def estimate(
     spec = dataclasses.replace(spec, attn_implementation=attention_run(model_spec.config, spec))
 
     started = time.perf_counter()
-    spec, traced_batch, extra_rows = _cached_loss_split(spec, batch_size, mini_batch_size)
+    spec, traced_batch, extra_rows = _cached_loss_split(spec, batch_size, job.mini_batch_size)
     traced = traces.traced(model_spec, spec, trace_depth, (traced_batch, seq_len))
-    world = world_size or 1
+    world = job.world_size or 1
     peak = traced.replay(
         traced_batch,
         seq_len,
         world_size=world,
         profile=checked.profile,
         accumulate=accumulate,
-        sharding=sharding,
+        sharding=job.sharding,
     )
     if extra_rows and peak.phase != "optimizer_step":
         peak = _with_cached_rows(peak, extra_rows, model_spec.config, spec)
@@ -276,16 +242,16 @@ def estimate(
         peak,
         (traced_batch, seq_len),
         world_size=world,
-        gradient_accumulation_steps=gradient_accumulation_steps if spec.mode == "train" else 1,
+        gradient_accumulation_steps=accumulation if spec.mode == "train" else 1,
         profile=checked.profile,
         started=started,
     )
     details |= _quantization_details(traced, model_spec.cache_key())
-    if spec.attn_implementation != attn_implementation:
+    if spec.attn_implementation != job.attn_implementation:
         details["attn_implementation_run"] = spec.attn_implementation
     if traced.changed():
         traces.save_traces()
-    details |= _sharding_details(traced, sharding, world)
+    details |= _sharding_details(traced, job.sharding, world)
     if card is not None:
         details["gpu"] = _gpu_details(card, checked.budget_from_gpu)
     total, budget = peak.total_bytes, checked.budget
@@ -304,7 +270,7 @@ def estimate(
 
 
 class _Checked(NamedTuple):
-    """What :func:`_checked` found: the knobs, the model, the budget and the GPU generation."""
+    """What :func:`_checked` found: the step, the model, the budget and the GPU generation."""
 
     spec: StepSpec
     model_spec: Any  # memfit.models.ModelSpec
@@ -316,20 +282,16 @@ class _Checked(NamedTuple):
 
 
 def _checked(
-    model: str,
-    *,
-    gpu_memory: int | str | None,
-    gpu: str | None,
-    gradient_accumulation_steps: int,
-    trace_depth: str,
-    **knobs: Any,
+    job: Job, *, mode: str, gpu_memory: int | str | None, gpu: str | None, trace_depth: str
 ) -> _Checked:
-    """Check every knob of :func:`estimate` at once (``knobs``: :func:`validate`'s); one
-    :class:`UsageError` lists all problems."""
-    from memfit.models import resolve_model
-
-    spec, problems = validate(**knobs)
-    seq_len, max_seq_len = knobs["seq_len"], knobs.get("max_seq_len")
+    """Check ``job`` and the estimate's own keywords at once; one :class:`UsageError` lists
+    every problem."""
+    spec, problems = validate(job, mode=mode)
+    accumulation = job.gradient_accumulation_steps
+    if not whole(accumulation):
+        # the estimate's own message for it, where it has always been (below)
+        problems = [p for p in problems if not p.startswith("--gradient-accumulation-steps:")]
+    seq_len, max_seq_len = job.seq_len, job.max_seq_len
     budget = None
     if gpu_memory is not None:
         try:
@@ -341,12 +303,10 @@ def _checked(
         try:
             card = find_gpu(gpu)
             profile = cuda_profile(card.compute_capability)
-            attention = knobs.get("attn_implementation")
+            attention = job.attn_implementation
             if problem := flash_attention_gpu_problem(attention, gpu, card.compute_capability):
                 problems.append(problem)
-            if knobs.get("device") == "cuda" and (
-                problem := card.precision_problem(knobs.get("precision", ""))
-            ):
+            if job.device == "cuda" and (problem := card.precision_problem(job.precision or "")):
                 problems.append(problem)
             if budget is None:
                 budget, budget_from_gpu = card.memory_bytes, True
@@ -354,7 +314,7 @@ def _checked(
             problems.append(str(exc))
     model_spec = None
     try:
-        model_spec = resolve_model(model)
+        model_spec = resolve_model(job.model)
     except UsageError as exc:
         problems.append(str(exc))
     if isinstance(seq_len, int) and isinstance(max_seq_len, int):
@@ -363,22 +323,18 @@ def _checked(
         problem = positions_problem("--seq-len", seq_len, model_spec.max_positions, model_spec.name)
         if problem:
             problems.append(problem)
-    if (
-        not isinstance(gradient_accumulation_steps, int)
-        or isinstance(gradient_accumulation_steps, bool)
-        or gradient_accumulation_steps < 1
-    ):
+    if not whole(accumulation):
         problems.append(
-            f"--gradient-accumulation-steps: expected a whole number ≥ 1, got {gradient_accumulation_steps!r}"
+            f"--gradient-accumulation-steps: expected a whole number ≥ 1, got {accumulation!r}"
         )
     if problem := choice_problem("--trace-depth", trace_depth, TRACE_DEPTHS):
         problems.append(problem)
-    if knobs.get("lora_rank"):
+    if job.lora_rank:
         # the adapters are peft's: the estimate puts them on the model as a run does
         problems.extend(missing_packages([("peft", "--lora-rank")]))
     if problems:
         raise UsageError("; ".join(problems))
-    assert model_spec is not None
+    assert model_spec is not None and seq_len is not None
     return _Checked(spec, model_spec, budget, profile, seq_len, card, budget_from_gpu)
 
 
@@ -456,13 +412,11 @@ def _quantization_details(traced: Traced, model_key: Any) -> dict[str, Any]:
     this process; ``num_parameters`` then counts the quantized weights, not their packed bytes)
     and, for a paged optimizer, its state in CUDA unified memory (outside the total on CUDA; on
     the CPU nothing is paged and it is optimizer state: 0)."""
-    from memfit.estimate import quantized
-
     spec, details = traced.spec, {}
     if spec.quantization != "none":
         key = (model_key, spec)
         if key not in _QUANTIZATION_SUMMARIES:
-            _QUANTIZATION_SUMMARIES[key] = quantized.quantization_summary(traced.config, spec)
+            _QUANTIZATION_SUMMARIES[key] = quantized_count.quantization_summary(traced.config, spec)
         summary = _QUANTIZATION_SUMMARIES[key]
         details["quantization"] = summary.details()
         details["num_parameters"] = (

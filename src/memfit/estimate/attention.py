@@ -15,7 +15,7 @@ from memfit.errors import UsageError
 from memfit.estimate import flash_attention_emulation
 
 if TYPE_CHECKING:
-    from memfit.estimate.workload import StepSpec
+    from memfit.estimate.step_spec import StepSpec
 
 __all__ = ["attention_run", "config_attention", "task_model_class"]
 
@@ -30,6 +30,7 @@ _TASK_MAPPINGS = {
 def task_model_class(config: Any, task: str) -> Any:
     """The transformers class the task builds; a UsageError when the architecture has no head
     for it (an encoder has no causal-LM head)."""
+    # start-up: transformers takes a second or more to import; only tracing a model needs it
     from transformers.models.auto import modeling_auto
 
     mapping_name, head = _TASK_MAPPINGS[task]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from memfit.estimate.emulation import EMULATED_DEVICE_TYPES, autocast_is_excluded, redispatch
@@ -196,8 +197,6 @@ def autocast_policy(func: Any) -> CastPolicy | None:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -35,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from memfit.devices.profiles import CudaProfile
 from memfit.estimate import sdpa_kernels
 from memfit.estimate.fit import FittedSegment
-from memfit.estimate.trace import (
+from memfit.estimate.step_trace import (
     ALLOC,
     BLOCK,
     CAT,
@@ -70,7 +72,7 @@ class _NotData(Exception):
 
 def path_for(key: tuple[Any, ...]) -> Path | None:
     """Where the trace of ``key`` (config hash, knobs, trace depth) is kept; None when off."""
-    import torch
+    # start-up: transformers takes a second or more to import; only its version is needed here
     import transformers
 
     if os.environ.get("MEMFIT_NO_CACHE", "") not in ("", "0"):
@@ -84,9 +86,24 @@ def path_for(key: tuple[Any, ...]) -> Path | None:
 
 @functools.cache
 def _source_digest() -> str:
+    """The code that shapes a traced step: the estimator's, the recipes' losses it traces
+    (``memfit.step``), the levers' (their bitsandbytes settings, ...) and the knobs; and which
+    sentence-transformers the losses come from (without it the estimator uses its own copies)."""
+    package = Path(__file__).parent.parent
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    sources = [
+        *sorted(Path(__file__).parent.glob("*.py")),
+        *sorted((package / "levers").glob("*.py")),
+        package / "step.py",
+        package / "knobs.py",
+    ]
+    for path in sources:
+        h.update(path.name.encode())
         h.update(path.read_bytes())
+    try:
+        h.update(importlib.metadata.version("sentence-transformers").encode())
+    except importlib.metadata.PackageNotFoundError:
+        h.update(b"no sentence-transformers")
     return h.hexdigest()
 
 
@@ -216,8 +233,6 @@ def _formula_data(formula: Any) -> list[Any]:
 
 
 def _plain(value: Any) -> Any:
-    import torch
-
     if isinstance(value, bool | int | float | str) or value is None:
         return value
     if isinstance(value, tuple) and all(isinstance(v, int | float) for v in value):
@@ -319,8 +334,6 @@ def _formula_from(data: list[Any]) -> Any:
 
 
 def _unplain(value: Any) -> Any:
-    import torch
-
     if isinstance(value, dict) and "dtype" in value:
         dtypes = {
             str(d).removeprefix("torch."): d

@@ -38,6 +38,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.estimate.blocks import block_layers, fsdp_blocks
 from memfit.estimate.depth_streams import (
     Item,
     NamedFormula,
@@ -46,7 +47,7 @@ from memfit.estimate.depth_streams import (
     label_trace,
     trace_streams,
 )
-from memfit.estimate.trace import (
+from memfit.estimate.step_trace import (
     ALLOC,
     BLOCK,
     CAT,
@@ -56,8 +57,6 @@ from memfit.estimate.trace import (
     ParamInfo,
     Segment,
     StepTrace,
-    block_layers,
-    fsdp_blocks,
 )
 
 # int config attributes that make every n-th layer different (a period of n layers)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate.trace import (
+from memfit.estimate.step_trace import (
     ALLOC,
     BLOCK,
     BLOCK_BACKWARD_START,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import _get_current_function_mode_stack
 
 from memfit.estimate import workload
 from memfit.estimate.workload import StepSpec
@@ -63,8 +64,6 @@ class BackwardModes:
 
 
 def _function_mode_stack() -> list[Any]:
-    from torch.overrides import _get_current_function_mode_stack
-
     return list(_get_current_function_mode_stack())
 
 

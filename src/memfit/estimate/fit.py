@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.estimate.trace import Segment, StepTrace
+from memfit.estimate.step_trace import Segment, StepTrace
 
 
 @dataclass

@@ -81,6 +81,7 @@ NUM_SMS = 108
 
 def register() -> None:
     """Register the stand-in with transformers (idempotent; class-wide, as ``register`` is)."""
+    # start-up: transformers takes a second or more to import; only tracing a model needs it
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -117,6 +118,7 @@ def flash_attention_mask(
     On fake tensors it cannot ask whether every token is real: the mask is kept (memfit's
     batches are padded), so the stand-in unpads as transformers does for a padded batch.
     """
+    # start-up: transformers takes a second or more to import; only tracing a model needs it
     from transformers import masking_utils
 
     if isinstance(attention_mask, FakeTensor):
@@ -151,6 +153,7 @@ def flash_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
             is_causal, **kwargs,
         )  # fmt: skip
+    # start-up: transformers takes a second or more to import; only tracing a model needs it
     from transformers.integrations.flash_attention import get_target_dtype
 
     seq_len = query.shape[2]
@@ -178,6 +181,7 @@ def flash_attention_forward(
             q, k, v, cu_seqlens, float(dropout), bool(deterministic), NUM_SMS
         )
         assert isinstance(out, torch.Tensor)
+        # start-up: transformers takes a second or more to import; only tracing a model needs it
         from transformers.modeling_flash_attention_utils import _pad_input
 
         # why: pad_input: a zeroed (B·L, H, D) output, the real tokens put back by index
@@ -207,6 +211,7 @@ def _unpad(
     ``_get_unpad_data`` reads the number of real tokens (``nonzero``, ``.item()``): on fake
     tensors every token counts (see the module's assumptions).
     """
+    # start-up: transformers takes a second or more to import; only tracing a model needs it
     from transformers.modeling_flash_attention_utils import _index_first_axis
 
     batch, seq_len = attention_mask.shape
@@ -319,6 +324,7 @@ def _real_flash_attention(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
             f"{FLASH_ATTENTION_2} runs on CUDA GPUs only (flash-attn); got a {query.device.type} "
             "tensor"
         )
+    # start-up: transformers takes a second or more to import; only tracing a model needs it
     from transformers.integrations.flash_attention import flash_attention_forward as real
 
     config: Any = module.config

@@ -16,6 +16,10 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+import torch
+
+from memfit.estimate.api import estimate, is_traced
+
 MAX_WORKERS = 8
 
 
@@ -29,8 +33,6 @@ def prefetch(model: str, calls: Sequence[dict[str, Any]]) -> int:
     Returns how many were traced in workers. Errors are left for the caller's own ``estimate``
     call to report (a worker that fails only loses its head start).
     """
-    from memfit.estimate.api import is_traced
-
     cpus = os.cpu_count() or 1
     if not cache_enabled() or cpus < 2:
         return 0
@@ -53,11 +55,7 @@ def prefetch(model: str, calls: Sequence[dict[str, Any]]) -> int:
 
 def _trace(model: str, call: dict[str, Any]) -> bool:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
     torch.set_num_threads(1)  # tracing is Python-bound; the workers share the cores
-    from memfit.estimate.api import estimate
-
     try:
         estimate(model, **call)
     except Exception:

@@ -60,9 +60,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.estimate import workload
-from memfit.estimate.workload import StepSpec
+from memfit.errors import UsageError
+from memfit.estimate.step_spec import PRECISION_DTYPES, StepSpec
+from memfit.estimate.task_model import BiEncoder, lora_head_modules
+from memfit.levers.quantization import INT8_THRESHOLD
+from memfit.levers.quantization import LEVER as QUANTIZATION
 
 # Params4bit's block (transformers' BitsAndBytesConfig and bitsandbytes both default to 64)
 BLOCKSIZE = 64
@@ -71,8 +75,6 @@ NESTED_BLOCKSIZE = 256
 NESTED_CODE_VALUES = 256
 # get_4bit_type: every quantized weight gets its own 16-value fp32 lookup table
 FOUR_BIT_CODE_VALUES = 16
-# transformers' llm_int8_threshold default: activation columns above it are outliers
-INT8_THRESHOLD = 6.0
 # bitsandbytes' optimizers: tensors below this many elements keep fp32 state (min_8bit_size),
 # 8-bit state is scaled per block of 256, and only tensors of at least 1e5 elements are paged
 MIN_8BIT_SIZE = 4096
@@ -82,6 +84,7 @@ PAGED_MIN_NUMEL = 100_000
 PAGED_OPTIMIZERS = {"paged-adamw-8bit": 8, "paged-adamw-32bit": 32}
 
 __all__ = [
+    "INT8_THRESHOLD",
     "PAGED_OPTIMIZERS",
     "Linear4bitModel",
     "Linear8bitModel",
@@ -92,14 +95,13 @@ __all__ = [
     "compute_dtype",
     "modules_to_not_convert",
     "paged_state_bytes",
-    "quantization_summary",
     "quantize_model",
 ]
 
 
 def compute_dtype(precision: str) -> torch.dtype:
     """``bnb_4bit_compute_dtype`` for ``--precision`` (fp32 and none: float32)."""
-    return workload.PRECISION_DTYPES.get(precision, torch.float32)
+    return PRECISION_DTYPES.get(precision, torch.float32)
 
 
 def _blocks(n: int, size: int) -> int:
@@ -417,7 +419,7 @@ def _quantized_lora_class() -> type[nn.Module]:
     (peft/tuners/lora/bnb.py), for the plain LoRA path training runs: the base output (cloned,
     for 4-bit), then each adapter on the input, cast to the adapters' dtype only where autocast
     is off."""
-    from peft.tuners.lora.layer import Linear
+    from peft.tuners.lora.layer import Linear  # optional: peft (memfit[lora])
 
     return type("LoraLinearQuantizedModel", (Linear,), {"forward": _quantized_lora_forward})
 
@@ -456,9 +458,10 @@ def modules_to_not_convert(model: nn.Module, task: str) -> list[str]:
     embeddings, tied weights, the last module; and the model's fp32 modules), plus, for
     classification, the head memfit trains whole. ``memfit train`` passes the same list as
     ``llm_int8_skip_modules``, which replaces the defaults, so it holds them too."""
+    # start-up time: transformers loads on first use (the estimator imports this module)
     from transformers.quantizers.base import HfQuantizer
 
-    heads = workload.lora_head_modules(model) if task == "classification" else []
+    heads = lora_head_modules(model) if task == "classification" else []
     keep = getattr(model, "_keep_in_fp32_modules", None)
     kept = HfQuantizer.get_modules_to_not_convert(
         model,  # type: ignore[arg-type]
@@ -472,8 +475,11 @@ def modules_to_not_convert(model: nn.Module, task: str) -> list[str]:
 def _convertible(model: nn.Module, kept: Sequence[str]) -> list[tuple[str, int, int, bool]]:
     """``replace_with_bnb_linear``'s choice: (path, in, out, bias) of every plain ``nn.Linear``
     and ``Conv1D`` not kept."""
+    # start-up time: transformers loads on first use (the estimator imports this module)
     from transformers.pytorch_utils import Conv1D
-    from transformers.quantizers.quantizers_utils import should_convert_module
+    from transformers.quantizers.quantizers_utils import (  # start-up time, as the line above
+        should_convert_module,
+    )
 
     found = []
     for name, module in model.named_modules():
@@ -494,9 +500,9 @@ def quantize_model(model: nn.Module, spec: StepSpec) -> nn.Module:
     ``prepare_model_for_kbit_training`` leave it (checkpointing is enabled by the caller, with the
     kwargs memfit train passes). On the meta device (the trace), the emulated layers; otherwise
     bitsandbytes' own."""
-    from peft import prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training  # optional: memfit[quantization]
 
-    inner = model.transformer if isinstance(model, workload.BiEncoder) else model
+    inner = model.transformer if isinstance(model, BiEncoder) else model
     assert isinstance(inner, nn.Module)
     kept = modules_to_not_convert(inner, spec.task)
     dtype = compute_dtype(spec.precision)
@@ -558,19 +564,14 @@ def _replace_with_models(
 
 def bitsandbytes_config(spec: StepSpec, kept: Sequence[str]) -> Any:
     """The ``BitsAndBytesConfig`` of ``spec`` (what memfit train loads the model with)."""
+    # start-up time: transformers loads on first use (the estimator imports this module)
     from transformers import BitsAndBytesConfig
 
-    if spec.quantization == "int8":
-        return BitsAndBytesConfig(
-            load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD, llm_int8_skip_modules=list(kept)
-        )
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=spec.quantization,
-        bnb_4bit_use_double_quant=spec.double_quant,
-        bnb_4bit_compute_dtype=compute_dtype(spec.precision),
-        llm_int8_skip_modules=list(kept),
+    # the lever's settings, those memfit train loads the model with (memfit.train.quantization)
+    settings = QUANTIZATION.bnb_settings(
+        QUANTIZATION.values(spec), compute_dtype(spec.precision), list(kept)
     )
+    return BitsAndBytesConfig(**settings)
 
 
 def _replace_with_bitsandbytes(
@@ -579,15 +580,15 @@ def _replace_with_bitsandbytes(
     """A real run: transformers' ``replace_with_bnb_linear``, then each weight quantized as
     transformers' Bnb4bitQuantize / Bnb8bitQuantize do it (on the weight's device)."""
     try:
+        # optional: bitsandbytes (memfit[quantization])
         import bitsandbytes as bnb  # type: ignore[import-not-found]
     except ImportError as exc:
-        from memfit.errors import UsageError
-
         raise UsageError(
             f"--quantization {spec.quantization}: needs bitsandbytes: pip install 'memfit[quantization]'"
         ) from exc
+    # start-up time: transformers loads on first use (the estimator imports this module)
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.pytorch_utils import Conv1D
+    from transformers.pytorch_utils import Conv1D  # start-up time, as the line above
 
     old = {name: model.get_submodule(name) for name, *_ in layers}
     replace_with_bnb_linear(
@@ -634,60 +635,6 @@ class QuantizationSummary:
             "quantized_bytes": self.quantized_bytes,
             "kept_modules": list(self.kept_modules),
         }
-
-
-def quantization_summary(config: Any, spec: StepSpec) -> QuantizationSummary:
-    """How many weights ``spec`` quantizes, the bytes they hold and the layers kept.
-
-    Counted on two shallow copies of the model and written out to its depth where its layers
-    repeat (milliseconds), else on the whole model."""
-    from memfit.estimate import depth as depth_
-
-    plan, _ = depth_.plan_depth(config)
-    if plan is not None:
-        shallow_a, shallow_b = plan.traced
-        a = _count(depth_.shallow_config(config, plan, shallow_a), spec)
-        b = _count(depth_.shallow_config(config, plan, shallow_b), spec)
-        if a[3] == b[3]:
-            periods = (plan.depth - shallow_a) // plan.period
-            parameters, stored, held = (
-                x + (y - x) * periods for x, y in zip(a[:3], b[:3], strict=True)
-            )
-            return QuantizationSummary(spec, parameters, stored, held, a[3])
-    return QuantizationSummary(spec, *_count(config, spec))
-
-
-def _count(config: Any, spec: StepSpec) -> tuple[int, int, int, tuple[str, ...]]:
-    """Quantized weights, their stored elements, the bytes they hold, and the layers kept."""
-    # the quantized model without adapters (they are no kept layer) nor checkpointing
-    bare = dataclasses.replace(spec, lora_rank=0, gradient_checkpointing=False)
-    with torch.device("meta"):
-        model = workload.build_model(config, bare)
-    parameters = stored = held = 0
-    for module in model.modules():
-        if isinstance(module, Linear4bitModel | Linear8bitModel):
-            parameters += module.in_features * module.out_features
-            stored += module.weight.numel()
-            held += sum(t.numel() * t.element_size() for t in _quant_tensors(module))
-    inner = model.transformer if isinstance(model, workload.BiEncoder) else model
-    return parameters, stored, held, tuple(_kept_layers(inner))
-
-
-def _quant_tensors(module: nn.Linear) -> list[torch.Tensor]:
-    """What a quantized layer holds for its weight: the packed weight and its state."""
-    return [module.weight, *module.buffers(recurse=False)]
-
-
-def _kept_layers(model: nn.Module) -> list[str]:
-    from transformers.pytorch_utils import Conv1D
-
-    return [
-        name
-        for name, module in model.named_modules()
-        if name
-        and isinstance(module, nn.Linear | Conv1D)
-        and not isinstance(module, Linear4bitModel | Linear8bitModel)
-    ]
 
 
 # --- paged optimizers ------------------------------------------------------------------------------
@@ -767,7 +714,5 @@ class PagedAdamStateModel(torch.optim.Optimizer):
 
 def _unified_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor no dispatch mode sees (the trace's recorder included): unified memory."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():
         return torch.zeros(shape, dtype=dtype, device="meta")

@@ -21,7 +21,7 @@ from typing import Protocol
 from memfit.devices.profiles import CudaProfile
 from memfit.estimate import device as dev
 from memfit.estimate.sharding import Buffers, ShardLayout
-from memfit.estimate.trace import (
+from memfit.estimate.step_trace import (
     ALLOC,
     BLOCK,
     CAT,

@@ -34,7 +34,7 @@ from memfit.estimate.sdpa_kernels import (
     placeholder,
     sm_number,
 )
-from memfit.estimate.trace import sized_allocation
+from memfit.estimate.step_trace import sized_allocation
 
 __all__ = ["CudaSdpa", "SdpaBackend", "select_sdpa_backend"]
 

@@ -3,7 +3,7 @@
 What each kernel allocates, saves for backward and allocates in backward (flash:
 ``flash_attn/flash_api.cpp``; memory-efficient: ``cuda/attention.cu`` and
 ``cuda/attention_backward.cu``), on (fake) CPU tensors: the outputs are zero-filled. Sizes that are no
-product of a shape's dims are declared by formula (:func:`~memfit.estimate.trace.sized_allocation`);
+product of a shape's dims are declared by formula (:func:`~memfit.estimate.step_trace.sized_allocation`);
 the trace cache stores those formulas by name (:data:`memfit.estimate.cache.FORMULAS`), so they are
 functions of this module bound to plain arguments.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from memfit.estimate.emulation import autocast_excluded
-from memfit.estimate.trace import sized_allocation
+from memfit.estimate.step_trace import sized_allocation
 
 __all__ = [
     "LOW_PRECISION",

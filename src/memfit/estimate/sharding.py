@@ -127,7 +127,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate.trace import (
+from memfit.estimate.step_trace import (
     ALLOC,
     BLOCK,
     BLOCK_BACKWARD_END,

@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit import progress
 from memfit.devices.profiles import CudaProfile, cuda_profile
-from memfit.estimate import workload
+from memfit.estimate import cache, workload
+from memfit.estimate import depth as depth_
 from memfit.estimate.cuda_modes import trace_modes
 from memfit.estimate.fit import FittedSegment, fit_trace, grid_shapes
 from memfit.estimate.replay import Peak, replay_step
@@ -209,8 +211,6 @@ _LOCK = threading.Lock()
 
 def _disk_load(key: tuple[str, StepSpec, str], config: Any) -> Traced | None:
     """The trace of ``key`` from the disk cache (data only: see :mod:`memfit.estimate.cache`)."""
-    from memfit.estimate import cache
-
     path = cache.path_for(key)
     if path is None or not path.is_file():
         return None
@@ -229,8 +229,6 @@ def _disk_load(key: tuple[str, StepSpec, str], config: Any) -> Traced | None:
 
 def save_traces() -> None:
     """Write every trace that gained something since it was loaded to the disk cache."""
-    from memfit.estimate import cache
-
     with _LOCK:
         for key, entry in _CACHE.items():
             if not entry.changed():
@@ -306,9 +304,6 @@ def trace_model(
     (:mod:`memfit.estimate.depth`): the same trace, allocation for allocation, in a fraction of
     the time. Where the layers do not repeat, it traces the whole model and says why.
     """
-    from memfit import progress
-    from memfit.estimate import depth as depth_
-
     plan, reason = depth_.plan_depth(config)
     layers = getattr(config, "num_hidden_layers", None)
     if trace_depth == "full":

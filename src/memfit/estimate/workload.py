@@ -9,77 +9,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+from memfit import step
+from memfit.errors import UsageError
+from memfit.estimate import quantized
+from memfit.estimate.attention import config_attention
+from memfit.estimate.step_spec import PRECISION_DTYPES, StepSpec
+from memfit.estimate.task_model import BiEncoder, lora_head_modules
+from memfit.extras import require
 
 # sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
 MNRL_SCALE = 20.0
 COSENT_SCALE = 20.0
-PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """The knobs of one step that change what is allocated (shape-independent)."""
-
-    task: str
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
-    mode: str = "train"
-    device: str = "cuda"
-    num_labels: int = 2
-    loss: str = "cross-entropy"
-    # LoRA adapters (peft) of this rank; 0: full fine-tuning
-    lora_rank: int = 0
-    # which modules get them (see ``lora_target_modules``); empty: the architecture's default
-    lora_targets: tuple[str, ...] = ()
-    # the frozen base weights as bitsandbytes holds them ("none", "nf4", "fp4", "int8"; only with
-    # LoRA) and, for 4-bit, whether the block scales are quantized again
-    quantization: str = "none"
-    double_quant: bool = False
-    # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
-    # estimator traces two and adds the rest exactly; real runs use the true count)
-    cached_chunks: int = 2
-    # CUDA only: the SM version whose SDPA kernels the estimate emulates (75 for a T4). 80 stands
-    # for every sm80+ GPU (flash and memory-efficient attention); below it there is no flash
-    # attention, below 50 no memory-efficient attention either (see memfit.estimate.sdpa_emulation)
-    sdpa_sm: int = 80
-
-
-class BiEncoder(nn.Module):
-    """A sentence-transformers bi-encoder: transformer, then mean pooling over real tokens.
-
-    Mirrors ``sentence_transformers.models.Transformer`` + ``Pooling(pooling_mode="mean")``
-    (sentence-transformers 6.2 ``Pooling._forward_padded``): the masked sum and the token count
-    accumulate in float32 when the token embeddings are half precision, the mean is cast back to
-    their dtype, and the modes' outputs are concatenated (a copy, even for one mode). Decoder
-    LLMs embed the same way (every real token, not the last one).
-    """
-
-    def __init__(self, transformer: nn.Module, num_labels: int, with_classifier: bool) -> None:
-        super().__init__()
-        self.transformer = transformer
-        config: Any = transformer.config
-        hidden = int(config.get_text_config().hidden_size)
-        # SoftmaxLoss trains a classifier on (u, v, |u - v|), as sentence-transformers does
-        self.classifier = nn.Linear(3 * hidden, num_labels) if with_classifier else None
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        token_embeddings = self.transformer(input_ids=input_ids, attention_mask=attention_mask)[0]
-        half = token_embeddings.dtype in (torch.float16, torch.bfloat16)
-        accumulation = torch.float32 if half else token_embeddings.dtype
-        mask = attention_mask.unsqueeze(-1).to(token_embeddings.dtype)
-        summed = (token_embeddings * mask).sum(dim=1, dtype=accumulation)
-        counts = torch.clamp(mask.sum(dim=1, dtype=accumulation), min=1e-9)
-        mean = (summed / counts).to(token_embeddings.dtype)
-        return torch.cat([mean], dim=-1)
 
 
 def build_model(
@@ -90,6 +40,7 @@ def build_model(
     ``checkpoint_context_fn``: passed to ``torch.utils.checkpoint`` as ``context_fn`` (the tracer
     uses it to recompute under the modes of the traced step); real runs leave it out.
     """
+    # start-up: transformers takes a second or more to import; only building a model needs it
     import transformers
 
     config = _task_config(config, spec)
@@ -101,11 +52,11 @@ def build_model(
         # sentence-transformers loads the plain AutoModel (BERT's pooler included, unused by mean pooling)
         transformer = transformers.AutoModel.from_config(config)
         model = BiEncoder(transformer, spec.num_labels, with_classifier=spec.loss == "softmax")
+        # the loss's package is imported now, before any step is traced (see the function)
+        _sentence_transformers()
     else:  # pragma: no cover - validated earlier
         raise ValueError(f"unknown task {spec.task!r}")
     if spec.quantization != "none":
-        from memfit.estimate import quantized
-
         # QLoRA: the base weights as bitsandbytes holds them (emulated on the meta device), the
         # rest upcast to fp32 by peft's prepare_model_for_kbit_training
         model = quantized.quantize_model(model, spec)
@@ -214,6 +165,7 @@ def _lora_name_matches(path: str, name: str) -> bool:
 def _adaptable_modules(model: nn.Module, skip: Sequence[str] = ()) -> list[str]:
     """The paths of the layers LoRA can adapt (linear, GPT-2's Conv1D, embeddings), outside the
     ``skip`` modules (the classification head, which is trained whole)."""
+    # start-up: transformers takes a second or more to import; only building a model needs it
     from transformers.pytorch_utils import Conv1D
 
     kinds = (nn.Linear, nn.Embedding, Conv1D)
@@ -223,20 +175,6 @@ def _adaptable_modules(model: nn.Module, skip: Sequence[str] = ()) -> list[str]:
         if isinstance(module, kinds)
         and path
         and not any(path == s or path.startswith(s + ".") for s in skip)
-    ]
-
-
-def lora_head_modules(model: nn.Module) -> list[str]:
-    """A sequence classifier's head: the children beside the pretrained base model that hold
-    weights (BERT's ``classifier``, DistilBERT's ``pre_classifier`` and ``classifier``, GPT-2's
-    ``score``). They start random, so they are trained whole and saved with the adapter."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or not isinstance(getattr(model, prefix, None), nn.Module):
-        return []  # a bare backbone (no head around it)
-    return [
-        name
-        for name, child in model.named_children()
-        if name != prefix and any(True for _ in child.parameters())
     ]
 
 
@@ -251,8 +189,6 @@ def lora_target_modules(
     must match a layer of the model: a UsageError names ``--lora-target-modules`` and lists the
     names the model has.
     """
-    from memfit.errors import UsageError
-
     config: Any = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", "") or "")
     wanted = [str(x).strip() for x in requested if str(x).strip()] or ["attention"]
@@ -300,6 +236,7 @@ def _lora_group(model_type: str, group: str) -> tuple[str, ...] | None:
     if group != "attention":
         return None
     try:
+        # optional: peft (memfit[lora])
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
     except ImportError:  # pragma: no cover - an old peft
         return None
@@ -312,7 +249,7 @@ def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] =
     """The peft ``LoraConfig`` memfit trains and estimates: rank r, alpha = 2·r, dropout 0.1
     (the usual recipe), the targets of :func:`lora_target_modules`; a classifier's head is
     trained whole and saved with the adapter (``modules_to_save``)."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # optional: peft (memfit[lora])
 
     extra_heads = [
         h
@@ -333,8 +270,6 @@ def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] =
 def with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
     """LoRA adapters via peft on :func:`lora_config`'s target modules; the base is frozen, a
     classification head stays trainable (saved with the adapter)."""
-    from memfit.extras import require
-
     get_peft_model = require("peft", "--lora-rank").get_peft_model
     if isinstance(model, BiEncoder):
         config = lora_config(
@@ -351,8 +286,6 @@ def with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
 def _task_config(config: Any, spec: StepSpec) -> Any:
     """A copy of ``config`` for the task's model: the attention transformers runs for the spec's
     (:mod:`memfit.estimate.attention`), a classifier's labels and pad token, no key/value cache."""
-    from memfit.estimate.attention import config_attention
-
     config = config.__class__.from_dict(config.to_dict())
     config._attn_implementation = config_attention(config, spec)
     # fp32 weights, as memfit train loads them (mixed precision keeps fp32 master weights): a
@@ -477,19 +410,19 @@ def make_optimizer(
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, foreach=foreach)
     if name == "adafactor":
+        # start-up: transformers takes a second or more to import; only Adafactor needs it here
         from transformers.optimization import Adafactor
 
         # the settings HF Trainer uses for optim="adafactor"
         return Adafactor(
             params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
         )
-    from torch._subclasses.fake_tensor import FakeTensor
-
     # real tensors: bitsandbytes' own optimizers where it is installed (it runs on the CPU too)
     real = _fake_mode_inactive() and not any(isinstance(p, FakeTensor) or p.is_meta for p in params)
     if name == "adamw-8bit":
         if real:
             try:
+                # optional: bitsandbytes (memfit[quantization])
                 import bitsandbytes as bnb  # type: ignore[import-not-found]
 
                 return bnb.optim.AdamW8bit(params, lr=lr)  # type: ignore[no-any-return]
@@ -500,36 +433,76 @@ def make_optimizer(
         eight_bit = name == "paged-adamw-8bit"
         if real:
             try:
-                import bitsandbytes as bnb
+                import bitsandbytes as bnb  # optional: bitsandbytes (memfit[quantization])
 
                 paged = bnb.optim.PagedAdamW8bit if eight_bit else bnb.optim.PagedAdamW32bit
                 return paged(params, lr=lr)  # type: ignore[no-any-return]
             except ImportError:
                 pass
-        from memfit.estimate.quantized import PagedAdamStateModel
-
         # on CUDA the big tensors' state is in unified memory, outside PyTorch's allocator
-        return PagedAdamStateModel(
+        return quantized.PagedAdamStateModel(
             params, bits=8 if eight_bit else 32, paged=device_type == "cuda", lr=lr
         )
     raise ValueError(f"unknown optimizer {name!r}")
 
 
 def _fake_mode_inactive() -> bool:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return not any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> torch.Tensor:
-    """Forward with loss, as the recipes compute it."""
-    if spec.task in ("classification", "causal-lm"):
-        return model(**batch).loss
+    """Forward with loss: the recipes' own loss functions (:mod:`memfit.step`), which ``memfit
+    train`` runs, over the batch's units (a whole step in one micro-batch)."""
+    if spec.task == "classification":
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
+        labels = batch["labels"]
+        return step.classification_loss(model, inputs, labels, units=labels.size(0))
+    if spec.task == "causal-lm":
+        labels = batch["labels"]
+        # every token but each row's first is a target (the count only scales the loss)
+        units = labels.size(0) * max(labels.size(1) - 1, 1)
+        return step.causal_lm_loss(
+            model, batch["input_ids"], batch["attention_mask"], labels, units=units
+        )
+    loss = "mnrl" if spec.loss == "cached-mnrl" else spec.loss
+    if loss in step.SENTENCE_LOSSES and _sentence_transformers():
+        # sentence-transformers' own loss, as memfit train runs it, on the bi-encoder's embeddings
+        module = step.sentence_loss_module(loss, SentenceFeatures(model))
+        # the columns' own dicts: what the model adds to them is freed when the loss returns
+        columns = [dict(batch["anchor"]), dict(batch["positive"])]
+        rows = int(batch["anchor"]["input_ids"].size(0))
+        return step.sentence_embedding_loss(module, columns, batch.get("labels"), rows, rows)
+    # softmax (its classifier is the bi-encoder's), or no sentence-transformers: the same math
     anchor = model(**batch["anchor"])
     positive = model(**batch["positive"])
-    loss = "mnrl" if spec.loss == "cached-mnrl" else spec.loss
     return sentence_loss(model, anchor, positive, batch.get("labels"), loss)
+
+
+class SentenceFeatures(nn.Module):
+    """A bi-encoder as a sentence-transformers loss calls a SentenceTransformer: a column's
+    features in, ``{"sentence_embedding": ...}`` out."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        encoder: Any = self.encoder
+        return encoder.embed(features)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _sentence_transformers() -> bool:
+    """Whether sentence-transformers (an optional package) is installed; imported once, when
+    the bi-encoder is built, outside any trace: its import makes tensors (bitsandbytes' tables),
+    which must be real CPU ones (neither meta nor fake), and its garbage must not be collected
+    inside a traced step, where it would move the step's frees."""
+    with _disable_current_modes(), torch.device("cpu"):
+        try:
+            step.sentence_losses()
+        except ImportError:
+            return False
+    return True
 
 
 def sentence_loss(

@@ -16,14 +16,14 @@ from typing import Any
 
 def predict(config: Any = None, /, **knobs: Any) -> Any:
     """Labels or per-row losses of every row; see :func:`memfit.infer.predict.predict`."""
-    from memfit.infer.predict import predict as _predict
+    from memfit.infer.predict import predict as _predict  # start-up time: torch, transformers
 
     return _predict(config, **knobs)
 
 
 def embed(config: Any = None, /, **knobs: Any) -> Any:
     """Sentence embeddings of every row; see :func:`memfit.infer.embed.embed`."""
-    from memfit.infer.embed import embed as _embed
+    from memfit.infer.embed import embed as _embed  # start-up time: torch, transformers
 
     return _embed(config, **knobs)
 

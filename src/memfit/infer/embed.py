@@ -42,6 +42,7 @@ from memfit.infer.run import (
     config_problems,
     run,
 )
+from memfit.models import resolve_model
 
 
 class Embedder:
@@ -51,8 +52,6 @@ class Embedder:
     num_labels = 2  # no head: the estimate's default
 
     def __init__(self, folder: Path, cfg: InferConfig) -> None:
-        from memfit.models import resolve_model
-
         self.model: Any = load_sentence_transformer(folder)
         positions = resolve_model(str(folder)).max_positions
         declared = self.model.max_seq_length

@@ -23,8 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
 from memfit.errors import UsageError
 from memfit.job import TASKS
+from memfit.models.folder import check_for_loader, load_checked
 
 T = TypeVar("T")
 
@@ -103,21 +107,14 @@ def quiet_transformers() -> None:
     """Loading logs progress bars and a page of hints; memfit prints one summary line."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency of every task
-        pass
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def load(loader: Callable[..., T], folder: Path, **kwargs: Any) -> T:
     """``loader(folder, **kwargs)`` with no remote code and no download; a load that fails, or
     leaves part of the model's body to random weights, is one line naming MODEL_DIR (the checks
     and the lines are memfit train's: :mod:`memfit.models.folder`)."""
-    from memfit.models.folder import check_for_loader, load_checked
-
     quiet_transformers()
     # the config, tokenizer files and weights' headers first (the checks memfit train makes)
     check_for_loader(loader, folder, "MODEL_DIR", without="the outputs would be random")
@@ -133,8 +130,6 @@ def load(loader: Callable[..., T], folder: Path, **kwargs: Any) -> T:
 def load_predict_model(folder: Path, task: str) -> Any:
     """The classification or causal-LM model in ``folder``, in eval mode, on the CPU; a head
     that the folder lacks (it would be random) is refused."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     auto: Any = (
         AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     )
@@ -154,14 +149,13 @@ def load_predict_model(folder: Path, task: str) -> Any:
 
 
 def load_tokenizer(folder: Path) -> Any:
-    from transformers import AutoTokenizer
-
     return load(AutoTokenizer.from_pretrained, folder)
 
 
 def load_sentence_transformer(folder: Path) -> Any:
     """A SentenceTransformer from ``folder`` (a plain transformers folder gets mean pooling),
     in eval mode, on the CPU (the caller moves it)."""
+    # optional: sentence-transformers (memfit[sentence-transformers])
     from sentence_transformers import SentenceTransformer
 
     # device="cpu": sentence-transformers would otherwise pick a GPU on its own

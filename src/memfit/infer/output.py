@@ -40,7 +40,7 @@ import numpy as np
 from memfit import paths
 from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
-from memfit.paths import Kind, first_json_record, never
+from memfit.paths import Kind, file_problem, first_json_record, is_user_os_error, never
 
 EMBED_SUFFIXES = (".npy", ".parquet")
 # the Parquet schema's metadata key (and value) that marks a file memfit embed wrote
@@ -56,8 +56,6 @@ OutputT = TypeVar("OutputT", bound="AtomicOutput")
 def check_output(path: str | Path, suffixes: tuple[str, ...]) -> list[str]:
     """Problems with ``--output``: a suffix the command does not write, a folder that is missing
     or cannot be written in, a folder where the file should be (checked before any work)."""
-    from memfit.paths import file_problem
-
     out = Path(path)
     problems = []
     if out.suffix.lower() not in suffixes:
@@ -171,6 +169,7 @@ def _floats(value: Any) -> bool:
 
 def _embed_parquet(path: Path) -> bool:
     """A Parquet file memfit embed wrote: its schema carries :data:`PARQUET_MARK`."""
+    # start-up time: pyarrow (datasets') loads only for Parquet output
     import pyarrow.parquet as pq
 
     metadata = pq.read_schema(path).metadata or {}
@@ -326,8 +325,6 @@ class AtomicOutput:
     def _writing(self) -> Iterator[None]:
         """Around every write: a disk or folder that refuses it (full, read-only, gone) is a
         UsageError naming ``--output``; the caller's exit then removes the temporary file."""
-        from memfit.paths import is_user_os_error
-
         try:
             yield
         except OSError as exc:
@@ -434,6 +431,7 @@ class ParquetOutput(AtomicOutput):
 
     def __init__(self, path: str | Path, *, id_column: str | None, id_kind: str | None) -> None:
         super().__init__(path)
+        # start-up time: pyarrow (datasets') loads only for Parquet output
         import pyarrow as pa
 
         if id_column in ("row", "embedding"):
@@ -454,8 +452,9 @@ class ParquetOutput(AtomicOutput):
             self._write(rows, ids, matrix)
 
     def _write(self, rows: list[int], ids: list[Any] | None, matrix: np.ndarray[Any, Any]) -> None:
+        # start-up time: pyarrow (datasets') loads only for Parquet output
         import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # start-up time, as the line above
 
         if self._writer is None:
             self._writer = pq.ParquetWriter(str(self.temporary), self.schema)

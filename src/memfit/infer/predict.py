@@ -48,6 +48,8 @@ from memfit.infer.run import (
     config_problems,
     run,
 )
+from memfit.metrics import perplexity
+from memfit.models import usable_positions
 
 IGNORE_INDEX = -100
 
@@ -59,8 +61,6 @@ RESERVED_LM = ("row", "loss", "perplexity", "tokens")
 def model_limit(tokenizer: Any, config: Any) -> int:
     """The most tokens a row can have: the position embeddings, or the tokenizer's smaller
     ``model_max_length`` (tokenizers without one say 10^30)."""
-    from memfit.models import usable_positions
-
     positions = usable_positions(config)
     declared = getattr(tokenizer, "model_max_length", None)
     if isinstance(declared, int) and 0 < declared < positions:
@@ -243,8 +243,6 @@ class LanguageModel(_TextModel):
 
     @staticmethod
     def record(output: tuple[float | None, int]) -> dict[str, Any]:
-        from memfit.metrics import perplexity
-
         loss, tokens = output
         if loss is None:
             return {"loss": None, "perplexity": None, "tokens": 0}

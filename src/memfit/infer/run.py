@@ -46,8 +46,11 @@ import torch
 from memfit.data.batching import padded_width
 from memfit.data.rows import DataError, problem_at
 from memfit.errors import NothingFitsError, UsageError
+from memfit.estimate import estimate as memfit_estimate
+from memfit.guard import Guard, StepTooLarge, memory_cap
 from memfit.infer.inputs import Input
 from memfit.job import DEVICES, PRECISIONS, choice_problem, whole_problem
+from memfit.paths import dir_problem, file_problem
 from memfit.runtime import JsonlLog, autocast, resolve_device
 from memfit.units import format_bytes, parse_size
 
@@ -199,8 +202,6 @@ def config_problems(cfg: InferConfig) -> list[str]:
             problems.append(problem)
         elif cfg.device == "cuda" and not torch.cuda.is_available():
             problems.append("--device cuda: this machine has no CUDA GPU; use --device cpu")
-    from memfit.paths import dir_problem, file_problem
-
     # destinations that cannot be written fail now, before the model loads and the rows run
     if cfg.events is not None:
         problem = file_problem(cfg.events, "--events")
@@ -266,8 +267,6 @@ def plan_batch_size(
             min(DEFAULT_BATCH_SIZE, rows), f"default {DEFAULT_BATCH_SIZE}: no GPU, no --gpu-memory"
         )
     if estimate is None:
-        from memfit.estimate import estimate as memfit_estimate
-
         estimate = memfit_estimate
     assert estimate is not None
     # the width the longest chunk is fed at: rounded up to 8 on GPUs (aligned shapes)
@@ -394,8 +393,6 @@ class GuardedInference:
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         on_event: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        from memfit.guard import Guard
-
         self.run_chunk = run_chunk
         self.batch_size = int(batch_size)
         self.phase = phase
@@ -423,8 +420,6 @@ class GuardedInference:
 
     def run(self, items: list[Item]) -> list[Any]:
         """The outputs of ``items``, in the order of ``items``; every item exactly once."""
-        from memfit.guard import StepTooLarge
-
         self._chunks.outputs = []
         try:
             self.guard.evaluate(
@@ -517,8 +512,6 @@ def run(
             on_event=events.write,
         )
         runner.to(device)
-        from memfit.guard import memory_cap
-
         with memory_cap(cap_bytes, device) as cap:
             if cap is not None:
                 # the weights were made before the cap: count them, as a device would hold them

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
@@ -222,8 +223,6 @@ class TrainerGuardMixin(_TrainerBase):
             return
         if self._guard_ranks_problem() is not None:
             return
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return
         self._guard_ranks = join_ranks(self._guard_parameters())

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from memfit.guard.guard import PeerOutOfMemory
 from memfit.guard.sync import any_flag, reduce_ints, sum_gradients
@@ -141,15 +142,11 @@ def join_ranks(params: Sequence[torch.Tensor]) -> SyncPoints:
 
 def inner_module(model: nn.Module) -> nn.Module:
     """The module a DDP wrapper holds (the model itself when it is not wrapped)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def broadcasts_buffers(model: nn.Module) -> bool:
     """Whether DDP would broadcast ``model``'s buffers from rank 0 in its forward."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return (
         isinstance(model, DistributedDataParallel)
         and bool(getattr(model, "broadcast_buffers", False))

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memfit import levers
 from memfit.errors import NothingFitsError, UsageError
-from memfit.job import OPTIMIZER_TABLE, TASKS
+from memfit.job import TASKS
+from memfit.levers.optimizer import OPTIMIZER_TABLE
 from memfit.units import format_bytes
 
 # TrainingArguments.optim → the memfit optimizer it is (any other value: AdamW)
 _OPTIMIZERS = {hf: o.name for o in OPTIMIZER_TABLE.values() for hf in o.hf_names}
-# memfit's optimizers → the TrainingArguments.optim memfit writes
-_OPTIM_VALUES = {o.name: o.hf_names[0] for o in OPTIMIZER_TABLE.values() if o.hf_names}
+_UNSET = object()
 
 
 @dataclass
@@ -130,23 +131,19 @@ def _wanted(
 ) -> dict[str, Any]:
     """The ``TrainingArguments`` fields the plan's ``settings`` set (``per_rank``: samples per
     device per optimizer step)."""
-    wanted: dict[str, Any] = {
-        "per_device_train_batch_size": settings["micro_batch_size"],
-        "gradient_accumulation_steps": settings["gradient_accumulation_steps"],
-        "bf16": settings["precision"] == "bf16",
-        "fp16": settings["precision"] == "fp16",
+    names = {f.name for f in dataclasses.fields(args)}
+    # every lever's names in the Hugging Face vocabulary; what the arguments already say (their
+    # own optimizer, however spelled) is left as it is
+    kept = levers.trainer_args({"optimizer": base_optimizer})
+    wanted = {
+        name: value
+        for name, value in levers.trainer_args(settings).items()
+        if name in names and kept.get(name, _UNSET) != value
     }
     # transformers 5.2x renamed gradient_checkpointing (now a deprecated alias, overwritten by the
     # new name when the arguments are copied) to activation_checkpointing
-    names = {f.name for f in dataclasses.fields(args)}
-    checkpointing = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in names
-        else "gradient_checkpointing"
-    )
-    wanted[checkpointing] = bool(settings["gradient_checkpointing"])
-    if settings["optimizer"] != base_optimizer and settings["optimizer"] in _OPTIM_VALUES:
-        wanted["optim"] = _OPTIM_VALUES[settings["optimizer"]]
+    if "activation_checkpointing" in names and "gradient_checkpointing" in wanted:
+        wanted["activation_checkpointing"] = wanted.pop("gradient_checkpointing")
     if settings.get("loss") == "cached-mnrl":
         # GradCache takes the whole batch at once: no accumulation, the loss splits internally
         wanted["per_device_train_batch_size"] = per_rank
@@ -181,20 +178,23 @@ def apply_plan(
     machine without a GPU, an unknown model) and :class:`~memfit.errors.NothingFitsError` when
     no configuration fits, with what would help.
     """
+    # memfit.plan loads torch and the estimator, which importing memfit.integrations (for
+    # PlannedArguments) must not: here for start-up time
     from memfit.plan import plan as make_plan
 
     allowed = [a.strip().lower() for a in allow if a.strip()]
-    elsewhere = [a for a in allowed if a in ("lora", "truncation", "quantization")]
-    if elsewhere:
+    outside = [
+        levers.BY_NAME[a]
+        for a in allowed
+        if a in levers.BY_NAME and not levers.BY_NAME[a].in_training_arguments
+    ]
+    if outside:
+        elsewhere = [lever.name for lever in outside]
+        notes = "; ".join(lever.outside_note for lever in outside if lever.outside_note)
         raise UsageError(
             f"apply_plan: allow: {', '.join(elsewhere)} change the model or the tokenizer, not "
             "TrainingArguments"
-            + (
-                " (quantized weights are from_pretrained's quantization_config="
-                "BitsAndBytesConfig(...), which no TrainingArguments field sets)"
-                if "quantization" in elsewhere
-                else ""
-            )
+            + (f" ({notes})" if notes else "")
             + f"; plan them with `memfit plan --allow {','.join(elsewhere)}` and apply them "
             "yourself, or leave them out"
         )

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from memfit.errors import UsageError
@@ -143,8 +144,6 @@ def _weights_problem(path: Path) -> str | None:
     if not path.is_file():
         return "the file is missing"
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         try:
             with safe_open(str(path), framework="pt") as weights:
                 weights.keys()
@@ -202,6 +201,7 @@ def recorded_loads() -> Iterator[list[tuple[Any, dict[str, Any]]]]:
     ``SentenceTransformer`` loads its Transformer module's model inside and returns none: the
     method every model class inherits asks for it while the block lasts (and returns what its
     caller asked for)."""
+    # start-up: transformers' modeling code takes seconds to import; checking a folder needs none
     from transformers import PreTrainedModel
 
     found: list[tuple[Any, dict[str, Any]]] = []

@@ -15,15 +15,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+try:
+    from transformers.initialization import no_init_weights
+except ImportError:  # transformers 4
+    from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
+
 from memfit.errors import UsageError
 
-# the registry's names live in memfit.models.catalog, where `memfit models` reads them without
+# the registry's names live in memfit.models.names, where `memfit models` reads them without
 # importing transformers
-from memfit.models.catalog import REGISTRY as _REGISTRY
-from memfit.models.catalog import config_text
+from memfit.models.names import REGISTRY as _REGISTRY
+from memfit.models.names import config_text
 
 # Entries whose checkpoint holds another class than their config's ``architectures`` names:
 # sentence-transformers saves the bare transformer but keeps the config of the model it was
@@ -111,16 +118,13 @@ def parameter_count(model: ModelSpec | PretrainedConfig) -> int:
     ``model_type``; a sentence-transformers model is always the bare model, which is what that
     library saves.
     """
-    import torch
-    import transformers
-
     spec = model if isinstance(model, ModelSpec) else None
     # building may record choices in the config (the attention implementation): count on a copy
     config = copy.deepcopy(model.config if isinstance(model, ModelSpec) else model)
     model_class = _checkpoint_class(config, spec)
     # skipping the initialisers (no-ops on meta tensors, yet most of the time spent building)
     # also skips the tying of weights, done below
-    with torch.device("meta"), _no_init_weights():
+    with torch.device("meta"), no_init_weights():
         if model_class is None:
             module = transformers.AutoModel.from_config(config)
         else:
@@ -130,18 +134,8 @@ def parameter_count(model: ModelSpec | PretrainedConfig) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _no_init_weights() -> Any:
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4
-        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
-    return no_init_weights()
-
-
 def _checkpoint_class(config: PretrainedConfig, spec: ModelSpec | None) -> Any:
     """The transformers class a checkpoint was saved from; None for the bare AutoModel."""
-    import transformers
-
     if spec is not None and spec.source == "registry" and spec.name in _CHECKPOINT_CLASS:
         name: str | None = _CHECKPOINT_CLASS[spec.name]
     elif spec is not None and _in_sentence_transformers_folder(spec):
@@ -198,6 +192,7 @@ def _registry_config(name: str) -> PretrainedConfig:
 def _hf_cache_config(repo_id: str) -> Path | None:
     """config.json of ``repo_id`` in the local Hugging Face cache; never downloads."""
     try:
+        # optional: huggingface_hub (which transformers installs); without it, no cache to read
         from huggingface_hub import try_to_load_from_cache
 
         found = try_to_load_from_cache(repo_id, "config.json")

@@ -1,29 +1,66 @@
 """What a plan is made of: a configuration's levers (:class:`Levers`), a configuration that was
 estimated (:class:`Candidate`) and the answer of :func:`memfit.plan.plan` (:class:`Plan`, whose
 ``to_dict`` is ``memfit plan --json``), with the commands it prints: ``memfit estimate`` to
-re-check the peak, ``memfit plan`` on other GPUs, ``memfit train`` to run it.
+re-check the peak, ``memfit plan`` on other GPUs, ``memfit train`` to run it. Their flags are
+the levers' own (:func:`memfit.levers.flags`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from memfit.plan import cost
+from memfit.devices.catalog import catalog as gpus
+from memfit.job import Job
+from memfit.knobs import flag_of
+from memfit.levers import ALLOWABLE, BY_NAME, LEVERS, lever_of
+from memfit.levers.lora import LORA_RANK
+from memfit.levers.quantization import QLORA as _QLORA
 from memfit.units import format_bytes, size_arg
 
-LORA_RANK = 8
-# QLoRA's recipe (Dettmers et al. 2023, arXiv:2305.14314): 4-bit NormalFloat base weights, their
-# block scales quantized again
-QLORA = ("nf4", True)
-# a configuration's tier: the most harmful lever it uses, least harmful first
-TIERS = ("none", "optimizer", "truncation", "lora", "quantization")
+__all__ = ["LORA_RANK", "QLORA", "TIERS", "Candidate", "Levers", "Plan", "tier_of"]
+
+# QLoRA's recipe as the quantization lever's values, in its fields' order
+# (:data:`memfit.levers.quantization.QLORA`)
+QLORA = tuple(_QLORA.values())
+# a configuration's tier: the most harmful lever it uses, least harmful first (the levers
+# ``memfit plan --allow`` names, in their order)
+TIERS = ("none", *ALLOWABLE)
+# the job's own fields' flags (those of no lever: the sequence length, the labels, the loss)
+_JOB_FLAGS = {f.name: flag_of(f) for f in dataclasses.fields(Job)}
+# what memfit estimate takes when a flag is left out: the re-check command leaves those out
+_ESTIMATE_DEFAULTS = {
+    "gradient_accumulation_steps": 1,
+    "gradient_checkpointing": False,
+    "world_size": 1,
+    "sharding": "none",
+    "attn_implementation": "sdpa",
+}
+
+
+def tier_of(values: Mapping[str, Any], base: Mapping[str, Any]) -> int:
+    """0: no harmful lever; else the most harmful lever used only when allowed whose values
+    differ from the job's own ``base`` (its index in :data:`TIERS`)."""
+    used = [
+        TIERS.index(lever.name)
+        for lever in LEVERS
+        if lever.allow
+        and any(f in values and f in base and values[f] != base[f] for f in lever.fields)
+    ]
+    return max(used, default=0)
 
 
 @dataclass(frozen=True)
 class Levers:
-    """A candidate's levers: everything but the micro-batch size."""
+    """A candidate's levers: everything but the micro-batch size, the loss and the ranks. The
+    fields are the job's (:class:`memfit.job.Job`), in the plan's words: no adapters is rank 0,
+    plain base weights ``none``, no truncation the job's own length. A lever's fields the plan
+    itself reads nowhere (a detail of the base weights' form) travel in ``others``."""
 
     precision: str
     gradient_checkpointing: bool
@@ -31,7 +68,35 @@ class Levers:
     max_seq_len: int
     lora_rank: int
     quantization: str = "none"  # the base weights (bitsandbytes): none | nf4 | fp4 | int8
-    double_quant: bool = False
+    # the levers' other fields and their values, (field, value) in the levers' order
+    others: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> Levers:
+        """The levers of ``values`` (field → value: every lever's plan options merged)."""
+        named = {f.name for f in dataclasses.fields(cls)} - {"others"}
+        others = tuple((k, v) for k, v in values.items() if k not in named)
+        return cls(**{k: v for k, v in values.items() if k in named}, others=others)
+
+    @functools.cached_property
+    def values(self) -> Mapping[str, Any]:
+        """The fields and their values, ``others`` among them (read only: shared by every
+        caller)."""
+        named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        others = named.pop("others")
+        return MappingProxyType({**named, **dict(others)})
+
+    def job_values(self, seq_len: int) -> dict[str, Any]:
+        """The levers as the job's fields say them: what the plan leaves off (no adapters, no
+        cut of a ``seq_len`` job, plain weights) is None, not given."""
+        values = dict(self.values)
+        if not values["lora_rank"]:
+            values["lora_rank"] = None
+        if values["max_seq_len"] >= seq_len:
+            values["max_seq_len"] = None
+        for lever in LEVERS:
+            values.update(lever.as_given(values))
+        return values
 
     def tier(
         self,
@@ -40,19 +105,20 @@ class Levers:
         base_rank: int = 0,
         base_quantization: str = "none",
     ) -> int:
-        """0: no harmful lever; then the most harmful allowed lever used (:data:`TIERS`: 1
-        optimizer, 2 truncation, 3 LoRA, 4 quantization), against the job's own values."""
-        if self.quantization != base_quantization:
-            return 4
-        if self.lora_rank != base_rank:
-            return 3
-        if self.max_seq_len < seq_len:
-            return 2
-        return 1 if self.optimizer != base_optimizer else 0
+        """0: no harmful lever; then the most harmful allowed lever used (:data:`TIERS`), against
+        the job's own values."""
+        base = {
+            "optimizer": base_optimizer,
+            "max_seq_len": seq_len,
+            "lora_rank": base_rank,
+            "quantization": base_quantization,
+        }
+        return tier_of(self.values, base)
 
     def paged_swap(self, base_optimizer: str) -> bool:
         """A paged optimizer instead of the job's own: searched after its tier's other knobs."""
-        return self.optimizer != base_optimizer and cost.is_paged(self.optimizer)
+        values, base = self.values, {"optimizer": base_optimizer}
+        return any(lever.last_resort(values, base) for lever in LEVERS)
 
 
 @dataclass(frozen=True)
@@ -70,8 +136,8 @@ class Candidate:
     sharding: str = "none"
 
     def settings(self) -> dict[str, Any]:
-        """The plan keys (plus ``lora_rank``)."""
-        return {
+        """The plan keys (plus ``lora_rank`` and the other levers' values)."""
+        settings: dict[str, Any] = {
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "world_size": self.world_size,
@@ -85,9 +151,10 @@ class Candidate:
             "max_tokens_per_micro_batch": (self.mini_batch_size or self.micro_batch_size)
             * self.knobs.max_seq_len,
             "lora_rank": self.knobs.lora_rank or None,
-            "quantization": self.knobs.quantization,
-            "double_quant": self.knobs.double_quant,
         }
+        # the levers' other values (the base weights' form), as the plan says them
+        settings.update((k, v) for k, v in self.knobs.values.items() if k not in settings)
+        return settings
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,10 +195,9 @@ class Plan:
     pinned_precision: str | None = None
     base_optimizer: str = "adamw"
     attn_implementation: str = "sdpa"
-    # the job's own LoRA rank and quantization (None: not given; the levers may add them)
-    lora_rank: int | None = None
-    quantization: str | None = None
-    double_quant: bool | None = None
+    # the job's own values of the fields a plan keeps as given (its LoRA rank, its base weights:
+    # :attr:`memfit.levers.base.Lever.pins`); None: not given, the levers may add them
+    pinned: dict[str, Any] = field(default_factory=dict)
     # the training data, when the plan read its lengths (for the memfit train command)
     train_file: str | None = None
     # the flags that say how to read it (--text-column, --prompt-column, ...), as given to plan
@@ -167,40 +233,49 @@ class Plan:
         if self.chosen is None:
             return None
         s = self.chosen.settings()
-        parts = [
-            f"memfit estimate {self.model} --task {self.task}",
-            f"--batch-size {s['micro_batch_size']} --seq-len {self.seq_len}",
-            f"--precision {s['precision']} --optimizer {s['optimizer']}",
-        ]
-        if self.task == "classification":
-            parts.append(f"--num-labels {self.num_labels}")
-        if self.task == "sentence-embedding":
-            parts.append(f"--loss {s['loss']}")
-        if s["mini_batch_size"]:
-            parts.append(f"--mini-batch-size {s['mini_batch_size']}")
-        if s["gradient_accumulation_steps"] > 1:
-            parts.append(f"--gradient-accumulation-steps {s['gradient_accumulation_steps']}")
-        if s["gradient_checkpointing"]:
-            parts.append("--gradient-checkpointing")
-        if s["max_seq_len"] < self.seq_len:
-            parts.append(f"--max-seq-len {s['max_seq_len']}")
-        if s["lora_rank"]:
-            parts.append(f"--lora-rank {s['lora_rank']}")
-        parts += _quantization_flags(s)
-        if s["world_size"] > 1:
-            parts.append(f"--world-size {s['world_size']}")
-        if s["sharding"] != "none":
-            parts.append(f"--sharding {s['sharding']}")
-        if self.attn_implementation != "sdpa":
-            parts.append(f"--attn-implementation {self.attn_implementation}")
-        parts += self._budget_flags()
-        return " ".join(parts)
+        values = {
+            **self.chosen.knobs.job_values(self.seq_len),
+            **{k: s[k] for k in ("micro_batch_size", "gradient_accumulation_steps")},
+            **{k: s[k] for k in ("mini_batch_size", "world_size", "sharding")},
+            **self._job_values(s, all_labels=True),
+            "attn_implementation": self.attn_implementation,
+        }
+        # what memfit estimate takes anyway is left out
+        values = {k: v for k, v in values.items() if _ESTIMATE_DEFAULTS.get(k) != v}
+        order = (
+            "micro_batch_size",
+            "seq_len",
+            "precision",
+            "optimizer",
+            "num_labels",
+            "loss",
+            "mini-batch",
+            "gradient_accumulation_steps",
+            "checkpointing",
+            "truncation",
+            "lora",
+            "quantization",
+            "sharding",
+            "attention",
+        )
+        flags = _flags(values, order, renames={"micro_batch_size": "--batch-size"})
+        return " ".join(
+            [f"memfit estimate {self.model} --task {self.task}", *flags, *self._budget_flags()]
+        )
+
+    def _job_values(self, settings: Mapping[str, Any], *, all_labels: bool) -> dict[str, Any]:
+        """The job's own fields the commands name: the length, the labels of a classifier
+        (``all_labels``: also the default 2), the loss of a sentence embedder."""
+        labels = self.task == "classification" and (all_labels or self.num_labels != 2)
+        return {
+            "seq_len": self.seq_len,
+            "num_labels": self.num_labels if labels else None,
+            "loss": settings.get("loss") if self.task == "sentence-embedding" else None,
+        }
 
     def budget_words(self) -> str:
         """The budget as a verdict says it, naming the card: ``a T4's 14.56 GiB`` (its memory),
         ``12.00 GiB on a T4`` (another budget on it), ``16.00 GiB`` (no card named)."""
-        from memfit.devices.catalog import catalog as gpus
-
         card = gpus().get(self.gpu) if self.gpu else None
         size = format_bytes(self.budget_bytes)
         if card is None:
@@ -210,8 +285,6 @@ class Plan:
     def _budget_flags(self) -> list[str]:
         """``--gpu NAME`` when the budget is that card's memory, else ``--gpu-memory SIZE`` (a
         size, rounded down: :func:`memfit.units.size_arg`) and the card, if one was named."""
-        from memfit.devices.catalog import catalog as gpus
-
         card = gpus().get(self.gpu) if self.gpu else None
         flags = []
         if card is None or card.memory_bytes != self.budget_bytes:
@@ -222,28 +295,29 @@ class Plan:
 
     def plan_command(self, world_size: int, sharding: str) -> str:
         """The ``memfit plan`` command of this job on ``world_size`` GPUs with ``sharding``."""
-        parts = [
-            f"memfit plan {self.model} --task {self.task} --seq-len {self.seq_len}",
-            f"--effective-batch-size {self.effective_batch_size}",
-        ]
-        if self.task == "classification" and self.num_labels != 2:
-            parts.append(f"--num-labels {self.num_labels}")
-        if self.loss:
-            parts.append(f"--loss {self.loss}")
-        parts += self._budget_flags()
-        if self.pinned_precision:
-            parts.append(f"--precision {self.pinned_precision}")
-        if self.lora_rank:
-            parts.append(f"--lora-rank {self.lora_rank}")
-        parts += _quantization_flags(
-            {"quantization": self.quantization, "double_quant": self.double_quant}
+        values = {
+            **self._job_values({"loss": self.loss}, all_labels=False),
+            "effective_batch_size": self.effective_batch_size,
+            # the job's own pins: the plan varies the rest
+            "precision": self.pinned_precision,
+            **self.pinned,
+            "world_size": world_size,
+            "sharding": None if sharding == "none" else sharding,
+        }
+        allow = [f"--allow {','.join(self.allow)}"] if self.allow else []
+        order = (
+            "effective_batch_size",
+            "num_labels",
+            "loss",
+            self._budget_flags(),
+            "precision",
+            "lora",
+            "quantization",
+            allow,
+            "sharding",
         )
-        if self.allow:
-            parts.append(f"--allow {','.join(self.allow)}")
-        parts.append(f"--world-size {world_size}")
-        if sharding != "none":
-            parts.append(f"--sharding {sharding}")
-        return " ".join(parts)
+        head = f"memfit plan {self.model} --task {self.task} --seq-len {self.seq_len}"
+        return " ".join([head, *_flags(values, order)])
 
     def train_command(
         self, train_file: str | None = None, output_dir: str | None = None
@@ -255,40 +329,63 @@ class Plan:
             return None
         s = self.chosen.settings()
         train_file = shlex.quote(train_file or self.train_file or "TRAIN_FILE")
+        values = {
+            **self.chosen.knobs.job_values(self.seq_len),
+            **self._job_values(s, all_labels=True),
+            "effective_batch_size": self.effective_batch_size,
+            "micro_batch_size": s["micro_batch_size"],
+            # the length the plan was sized for: longer rows would not fit
+            "max_seq_len": s["max_seq_len"],
+            "mini_batch_size": s["mini_batch_size"],
+            "world_size": s["world_size"] if s["world_size"] > 1 else None,
+            "sharding": None if s["sharding"] == "none" else s["sharding"],
+        }
+        order = (
+            "effective_batch_size",
+            "micro_batch_size",
+            "precision",
+            "optimizer",
+            "checkpointing",
+            "truncation",
+            "num_labels",
+            "loss",
+            "mini-batch",
+            "lora",
+            "quantization",
+            "sharding",
+        )
         parts = [
             f"memfit train --model {shlex.quote(self.model)} --task {self.task}",
             f"--train-file {train_file} --output-dir {shlex.quote(output_dir or 'OUTPUT_DIR')}",
             *([self.data_flags] if self.data_flags else []),
-            f"--effective-batch-size {self.effective_batch_size}",
-            f"--micro-batch-size {s['micro_batch_size']}",
-            f"--precision {s['precision']} --optimizer {s['optimizer']}",
-            "--gradient-checkpointing"
-            if s["gradient_checkpointing"]
-            else "--no-gradient-checkpointing",
-            # the length the plan was sized for: longer rows would not fit
-            f"--max-seq-len {s['max_seq_len']}",
+            *_flags(values, order),
         ]
-        if self.task == "classification":
-            parts.append(f"--num-labels {self.num_labels}")
-        if self.task == "sentence-embedding":
-            parts.append(f"--loss {s['loss']}")
-        if s["mini_batch_size"]:
-            parts.append(f"--mini-batch-size {s['mini_batch_size']}")
-        if s["lora_rank"]:
-            parts.append(f"--lora-rank {s['lora_rank']}")
-        parts += _quantization_flags(s)
-        if s["world_size"] > 1:
-            parts.append(f"--world-size {s['world_size']}")
-        if s["sharding"] != "none":
-            parts.append(f"--sharding {s['sharding']}")
         return " ".join(parts)
 
 
-def _quantization_flags(settings: dict[str, Any]) -> list[str]:
-    """``--quantization Q [--double-quant]`` for quantized base weights (none: no flags)."""
-    quantization = settings.get("quantization")
-    if quantization in (None, "none"):
-        return []
-    return [f"--quantization {quantization}"] + (
-        ["--double-quant"] if settings.get("double_quant") else []
-    )
+def _flags(
+    values: Mapping[str, Any],
+    order: Sequence[str | list[str]],
+    renames: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The flags of ``values`` (the job's fields) in a command's ``order``: a lever's name (its
+    flags, :meth:`~memfit.levers.base.Lever.flags`), one field of a lever or of the job, or
+    flags written out; the order each command has always printed them in. A lever no item
+    names (a new one) follows, in the levers' order."""
+    out: list[str] = []
+    named = set()
+    for item in order:
+        if isinstance(item, list):
+            out.extend(item)
+            continue
+        lever = BY_NAME.get(item) or lever_of(item)
+        if lever is None:
+            if values.get(item) is not None:
+                out.append(f"{_JOB_FLAGS[item]} {values[item]}")
+            continue
+        named.add(lever.name)
+        out.extend(lever.flags(values if item == lever.name else {item: values.get(item)}, renames))
+    for lever in LEVERS:
+        if lever.name not in named:
+            out.extend(lever.flags(values, renames))
+    return out

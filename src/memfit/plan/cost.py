@@ -12,23 +12,12 @@ the efficiency rises with the tokens in the micro-batch and saturates:
 ``efficiency = E_MAX · t / (t + T_HALF)`` (half of ``E_MAX`` at ``T_HALF`` tokens). Each optimizer
 step also streams the optimizer's bytes per trainable parameter through memory once.
 
-Two knobs cost time that no FLOP count shows:
+Two costs in time no FLOP count shows:
 
-* **4-bit base weights** (bitsandbytes ``Linear4bit``, QLoRA): every forward dequantizes each
-  quantized weight into a compute-dtype copy for the matmul, and the backward does it again for
-  the input's gradient (a recomputed forward, a third time). A dequantization is memory-bound and
-  does not depend on the tokens, so it is charged per pass over the weights:
-  ``quantized parameters × DEQUANT_BYTES_PER_PARAMETER / memory bandwidth``. The figure is fitted
-  to LitGPT's resource tables (``tutorials/resource-tables.md``, LoRA on one A100-SXM4-40GB,
-  1555 GB/s, bitsandbytes 0.41.1, micro-batch 1, 1k iterations): without quantization vs
-  ``bnb.nf4`` / ``bnb.nf4-dq`` took phi-1.5 1.62 / 1.77 / 1.87 min, StableLM-3B 1.24 / 1.82 /
-  1.87, Llama-2-7B 2.36 / 3.68 / 3.83, Llama-2-13B 3.19 / 6.38 / 6.55. The extra time over two
-  dequantizations per iteration of the 1.2, 3.2, 6.5 and 12.7 billion matmul weights is 3.7–7.5
-  ps per weight for nf4 (9 bytes at 1555 GB/s, averaged) and 5.9–7.9 ps with double
-  quantization (10.5 bytes): so 9 bytes, plus 1.5 for double quantization. A raw dequantization
-  moves about 2.5 bytes (0.5 read, 2 written); the kernels reach a quarter of the bandwidth. The
-  spread over the four models is about ±25 %. LLM.int8() (``int8``) is charged the same figure,
-  unmeasured: memfit never chooses int8 itself, only a user's ``--quantization int8`` uses it.
+* **What a lever adds to each pass over the weights**, each lever's own model
+  (:meth:`memfit.levers.base.Lever.pass_seconds`, added up): 4-bit base weights (QLoRA) are
+  dequantized on every pass, memory-bound and whatever the tokens; the quantization lever states
+  the model and its fit (:mod:`memfit.levers.quantization`).
 * **Paged optimizers** (bitsandbytes' paged AdamW): their state lives in CUDA unified memory,
   outside PyTorch's allocator, and the driver evicts it to host memory when the GPU runs short.
   Resident, an update streams what its unpaged twin does; a plan only needs a paged optimizer
@@ -39,11 +28,19 @@ Two knobs cost time that no FLOP count shows:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from transformers.pytorch_utils import Conv1D
+from transformers.quantizers.quantizers_utils import should_convert_module
+
 from memfit.devices.catalog import Gpu
-from memfit.job import OPTIMIZER_TABLE
+from memfit.estimate import quantized, workload
+from memfit.levers import LEVERS
+from memfit.levers.optimizer import OPTIMIZER_TABLE
 
 E_MAX = 0.6  # the share of peak FLOP/s large transformer matmuls reach
 T_HALF = 1024  # tokens per micro-batch at which half of E_MAX is reached
@@ -61,10 +58,6 @@ OPTIMIZER_BYTES_PER_PARAMETER = {o.name: o.bytes_per_parameter for o in OPTIMIZE
 OPTIMIZER_BYTES_PER_PARAMETER |= {
     name: OPTIMIZER_BYTES_PER_PARAMETER[twin] for name, (twin, _state) in PAGED_OPTIMIZERS.items()
 }
-# memory traffic, at the GPU's full bandwidth, that one dequantization of a 4-bit weight costs per
-# parameter; double quantization adds the second-level scales' (fitted: see the module docstring)
-DEQUANT_BYTES_PER_PARAMETER = 9.0
-DOUBLE_QUANT_BYTES_PER_PARAMETER = 1.5
 # practical host-to-GPU copy rates of a x16 link: PCIe 3.0 (before Ampere), 4.0, 5.0 (Hopper)
 HOST_LINK_BYTES_PER_SECOND = {(0, 0): 12e9, (8, 0): 24e9, (9, 0): 48e9}
 
@@ -102,18 +95,6 @@ def host_link_bytes_per_second(gpu: Gpu) -> float:
     return max(v for k, v in HOST_LINK_BYTES_PER_SECOND.items() if gpu.compute_capability >= k)
 
 
-def dequantization_seconds(
-    shape: ModelShape, gpu: Gpu, quantization: str, double_quant: bool
-) -> float:
-    """Seconds one pass over the weights spends dequantizing them (0 without quantization)."""
-    if quantization == "none":
-        return 0.0
-    per_parameter = DEQUANT_BYTES_PER_PARAMETER + (
-        DOUBLE_QUANT_BYTES_PER_PARAMETER if double_quant else 0.0
-    )
-    return shape.quantizable_parameters * per_parameter / (gpu.memory_bandwidth_gbps * 1e9)
-
-
 def optimizer_seconds(
     shape: ModelShape, gpu: Gpu, optimizer: str, lora_rank: int | None = None
 ) -> float:
@@ -134,14 +115,6 @@ def optimizer_seconds(
 def model_shape(config: Any, spec: Any, *, lora: bool = False) -> ModelShape:
     """Count a model's matmul weights on the meta device (no memory, well under a second); with
     ``lora``, build it once more with rank-1 adapters (peft, a second or two) to count them."""
-    import dataclasses
-
-    import torch
-    from transformers.pytorch_utils import Conv1D
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    from memfit.estimate import quantized, workload
-
     with torch.device("meta"):
         model = workload.build_model(config, spec)
         adapted = (
@@ -213,15 +186,15 @@ def samples_per_second(
     world_size: int = 1,
     columns: int = 1,
     mini_batch_size: int | None = None,
-    quantization: str = "none",
-    double_quant: bool = False,
     lora_rank: int | None = None,
+    values: Mapping[str, Any] | None = None,
 ) -> float:
     """Predicted training samples per second over all ranks (communication not counted).
 
     ``lora_rank``: the optimizer steps only the adapters of that rank (with ``lora``; None: it
-    is charged for every parameter). ``quantization``/``double_quant``: the base weights' 4-bit
-    (or int8) form, dequantized on every pass."""
+    is charged for every parameter). ``values``: the levers' values (field → value), each
+    lever charging what it adds to a pass over the weights (4-bit base weights, dequantized on
+    every pass: :meth:`~memfit.levers.base.Lever.pass_seconds`)."""
     per_sample = flops_per_sample(
         shape,
         seq_len,
@@ -237,10 +210,10 @@ def samples_per_second(
     rate = gpu.flops_per_second(precision) * efficiency(rows_at_once * seq_len * columns)
     micro_seconds = micro_batch_size * per_sample / rate
     micro_seconds += chunks * columns * passes / 3 * shape.layers * LAUNCH_SECONDS_PER_LAYER
-    # each pass (forward, backward, recomputed or cached forward) dequantizes every 4-bit weight
-    micro_seconds += (
-        chunks * columns * passes * dequantization_seconds(shape, gpu, quantization, double_quant)
-    )
+    # what the levers add to each pass (forward, backward, recomputed or cached forward): 4-bit
+    # weights are dequantized on every one
+    per_pass = sum(lever.pass_seconds(values or {}, shape, gpu) for lever in LEVERS)
+    micro_seconds += chunks * columns * passes * per_pass
     step_seconds = accumulation_steps * micro_seconds + optimizer_seconds(
         shape, gpu, optimizer, lora_rank if lora else None
     )

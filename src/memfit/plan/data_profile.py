@@ -20,6 +20,7 @@ takes its sequence length and truncation choices from the same profile.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from memfit.data.rows import DataOptions
+from memfit.data.instructions import (
+    InstructionColumns,
+    chat_template_problem,
+    has_generation_markers,
+    messages_of,
+    tokenize_chat,
+    tokenize_prompt_completion,
+)
+from memfit.data.rows import WHERE, Column, DataError, DataOptions, problem_at, read_rows
 from memfit.errors import UsageError
 
 # texts per tokenizer call: large enough for the fast tokenizer's parallelism, small in memory
@@ -187,8 +196,6 @@ class DataProfile:
         ``prompt_column``/``completion_column`` or ``messages_column`` the rows are instruction
         rows, measured as rendered (``text_columns`` is then not read). ``skip_bad_rows``: leave
         out the rows memfit train --skip-bad-rows would leave out (counted in ``skipped_rows``)."""
-        from memfit.data.instructions import InstructionColumns
-
         instruction = InstructionColumns(prompt_column, completion_column, messages_column)
         name = str(tokenizer) if isinstance(tokenizer, (str, Path)) else ""
         tok = tokenizer if not isinstance(tokenizer, (str, Path)) else load_tokenizer(tokenizer)
@@ -237,8 +244,6 @@ def _read(
 ) -> Any:
     """The checked rows as a ``datasets.Dataset`` of the columns (and, with ``where``, of
     where each row is: ``WHERE``)."""
-    from memfit.data.rows import WHERE, Column, read_rows
-
     folder = Path(path)
     # a DatasetDict: profile its training split, whatever flag names the input (read_rows
     # prefers the eval splits for any flag but --train-file)
@@ -259,15 +264,6 @@ def _instruction_lengths(
     """Each instruction row's rendered length, untruncated, and how many bad rows were left out;
     a row that cannot be rendered is refused at its line (every such row at once), or left out
     with ``skip_bad_rows``."""
-    from memfit.data.instructions import (
-        chat_template_problem,
-        has_generation_markers,
-        messages_of,
-        tokenize_chat,
-        tokenize_prompt_completion,
-    )
-    from memfit.data.rows import WHERE, DataError, problem_at
-
     if instruction.messages:
         # no chat template: a whole-run error, before any row is read
         problem = chat_template_problem(tok, name)
@@ -323,8 +319,7 @@ def _tokenizer_name(tok: Any) -> str:
 
 def load_tokenizer(name: str | Path, *, flag: str = "--tokenizer") -> Any:
     """A tokenizer from a local folder, offline; a UsageError naming ``flag`` otherwise."""
-    import logging
-
+    # optional: transformers loads only to tokenize (memfit's quick verbs never need it)
     from transformers import AutoTokenizer
 
     # "Token indices sequence length is longer than ...": measuring long texts is the point
@@ -370,6 +365,7 @@ def tokenizer_folder(model: str | None, tokenizer: str | None, *, model_flag: st
         )
     candidates = [folder]
     try:
+        # start-up: resolving a model folder loads transformers (memfit.models.registry)
         from memfit.models import resolve_model
 
         spec_path = resolve_model(str(folder)).path
@@ -390,6 +386,7 @@ def _cached_tokenizer_folder(name: str) -> str | None:
     """The snapshot folder of Hub id ``name`` in the local Hugging Face cache when it holds
     tokenizer files; never downloads."""
     try:
+        # optional: the Hugging Face cache's reader (transformers' own dependency)
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers depends on it
         return None

@@ -2,28 +2,21 @@
 when nothing fits (a bigger GPU, more GPUs and a sharding scheme, a lever not yet allowed).
 
 The search (:mod:`memfit.plan.planner`) decides; this module only says. The numbers it quotes
-come from the search's estimates (:meth:`~memfit.plan.planner.Search.peak`) and its cost model.
+come from the search's estimates (:meth:`~memfit.plan.search.Search.peak`) and its cost model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 from memfit.devices.catalog import catalog
 from memfit.estimate.sharding import SCHEME_ORDER
+from memfit.levers import ALLOWABLE, LEVERS
+from memfit.levers.base import Chosen
 from memfit.plan import cost
+from memfit.plan.configuration import Candidate, Levers, Plan
 from memfit.plan.data_profile import DataProfile
-from memfit.plan.planner import (
-    LEVERS,
-    LORA_RANK,
-    QLORA,
-    Candidate,
-    Levers,
-    Plan,
-    Search,
-    Space,
-)
+from memfit.plan.search import Search, Space
 from memfit.units import format_bytes
 
 SCHEME_WORDS = {
@@ -64,11 +57,13 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     lines += _parallel_lines(job, c)
     lines += _precision_lines(job, result, c)
     lines += _harmful_lever_lines(job, k, profile)
-    lines += _quantization_lines(job, result, c)
+    chosen = _chosen(job, c)
+    for lever in LEVERS:
+        lines += lever.plan_lines(chosen)
     lines.append(
         f"Predicted throughput {_rate(c.predicted_samples_per_second)} samples/s "
         f"(cost model: 6·params·tokens FLOPs plus recompute"
-        + (", plus dequantizing the base weights on every pass" if k.quantization != "none" else "")
+        + "".join(f", plus {words}" for lever in LEVERS if (words := lever.time_words(k.values)))
         + (", plus paging the optimizer state" if cost.is_paged(k.optimizer) else "")
         + f", on the {job.gpu.name}'s "
         f"{job.gpu.flops_per_second(k.precision) / 1e12:.0f} TFLOP/s {k.precision} peak)."
@@ -251,55 +246,28 @@ def _paged_line(job: Search, k: Levers) -> str:
     )
 
 
-def _quantization_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
-    """Quantized base weights (QLoRA): what they save, what they cost per step, what QLoRA
-    found about quality, and why the plan needed them."""
-    k = c.knobs
-    if k.quantization == "none":
-        return []
+def _chosen(job: Search, c: Candidate) -> Chosen:
+    """The chosen configuration as the levers' own explanations see it
+    (:meth:`~memfit.levers.base.Lever.plan_lines`), priced by this search."""
     micro = c.mini_batch_size or c.micro_batch_size
-    plain = dataclasses.replace(k, quantization="none", double_quant=False)
-    how = "as given" if k.quantization == job.base_quantization else "allowed"
-    name = k.quantization + (" with double quantization" if k.double_quant else "")
-    slower = job.speed(plain, micro) / job.speed(k, micro) - 1
-    step = job.per_rank * job.world_size / job.speed(k, micro)
-    per_pass = cost.dequantization_seconds(job.shape, job.gpu, k.quantization, k.double_quant)
-    lines = [
-        f"Quantized base weights, {name} ({how}; QLoRA): bitsandbytes holds the "
-        f"{job.shape.quantizable_parameters / 1e9:.2f} B frozen matmul weights in "
-        + ("4" if k.quantization != "int8" else "8")
-        + f" bits, the LoRA adapters train on top: {_gib(c.predicted_peak_bytes)} at micro-batch "
-        f"{micro}, where unquantized weights would need {_gib(job.peak(plain, micro))}.",
-        f"Time: every forward and backward (and recomputed forward) dequantizes those weights, "
-        f"{per_pass * 1e3:.0f} ms per pass on the {job.gpu.name}: about {slower:.0%} more time "
-        f"per step ({step:.1f} s per optimizer step; cost model: "
-        f"{cost.DEQUANT_BYTES_PER_PARAMETER:g}"
-        + (f" + {cost.DOUBLE_QUANT_BYTES_PER_PARAMETER:g}" if k.double_quant else "")
-        + " bytes per weight per pass at the GPU's memory bandwidth, fitted to LitGPT's LoRA "
-        "vs bnb.nf4-dq timings on an A100).",
-        "Quality: the QLoRA paper (Dettmers et al. 2023, arXiv:2305.14314) found LoRA on NF4 "
-        "weights with double quantization matches 16-bit LoRA and 16-bit full fine-tuning on "
-        "GLUE, Super-NaturalInstructions and MMLU; a small risk remains for other models and "
-        "tasks (compare on your eval set). Needs bitsandbytes (pip install 'memfit[quantization]')"
-        " and a CUDA GPU; embeddings and the output head stay unquantized.",
-    ]
-    if how == "allowed":
-        unquantized = [
-            peak for f, peak in job.least.items() if f.quantization == job.base_quantization
-        ]
-        lines.append(
-            "Quantization is the last lever tried: nothing allowed fits without it (the least "
-            f"configuration on unquantized weights needs {_gib(min(unquantized))} of "
-            f"{_gib(job.usable)})."
-        )
-    return lines
+    return Chosen(
+        values=c.knobs.values,
+        base=job.space.base,
+        micro=micro,
+        peak_bytes=c.predicted_peak_bytes,
+        usable=job.usable,
+        samples_per_step=job.per_rank * job.world_size,
+        shape=job.shape,
+        gpu=job.gpu,
+        peak=lambda values: job.peak(Levers.of(values), micro),
+        speed=lambda values: job.speed(Levers.of(values), micro),
+        least=[(k.values, peak) for k, peak in job.least.items()],
+    )
 
 
 def suggest(job: Search, result: Plan, space: Space) -> list[str]:
     """What would make the job fit (nothing does): a bigger GPU, more GPUs with each sharding
     scheme, and each lever not allowed yet, with the least configuration's memory under each."""
-    allowed = result.allow
-    optimizers, lengths, ranks = space.optimizers, space.lengths, space.ranks
     out: list[str] = []
     need = result.min_required_bytes
     margin = result.safety_margin
@@ -322,54 +290,31 @@ def suggest(job: Search, result: Plan, space: Space) -> list[str]:
             "More GPUs (--world-size) split the batch, but each GPU then sees fewer in-batch "
             "negatives unless embeddings are gathered across GPUs."
         )
+    out.extend(_lever_hints(job, result, space))
+    return out
 
-    weights = (job.base_quantization, bool(result.double_quant))
 
-    def least(
-        optimizer_names: Sequence[str],
-        length: int,
-        rank: int,
-        quantized: tuple[str, bool] = weights,
-        precisions: Sequence[str] = (job.frugal_precision,),
-    ) -> str:
-        # at the precision that needed least without the lever (one trace per lever, not two),
-        # unless told to try each
-        need = min(
-            job.peak(Levers(p, True, o, length, rank, *quantized), 1)
-            for o in optimizer_names
-            for p in precisions
-        )
+def _lever_hints(job: Search, result: Plan, space: Space) -> list[str]:
+    """For each lever not allowed yet (that a plan would vary if allowed), the least
+    configuration with it allowed too (and the levers it needs), priced with everything
+    already allowed or pinned, on the ranks and sharding asked: what ``--allow`` would give."""
+    out: list[str] = []
+    for lever in LEVERS:
+        if not lever.allow or lever.name in result.allow:
+            continue
+        wider = space.allowing(lever.name, *lever.allow_with(space.room.job))
+        if wider.of_lever(lever) == space.of_lever(lever):
+            continue  # the job pins it, or it has nothing to try here
+        least = job.least_of(job.frugal(wider))
+        if least is None:
+            continue  # memfit train runs none of its configurations here
+        need, knobs = least
         verdict = "fits" if need <= job.usable else "still over"
-        return f"{format_bytes(need)} ({verdict})"
-
-    if "optimizer" not in allowed:
+        flag = ",".join(sorted(wider.room.allowed, key=ALLOWABLE.index))
+        hint = lever.hint(knobs.values, space.room.job)
         out.append(
-            "--allow optimizer (Adafactor or 8-bit AdamW): the least configuration would need "
-            + least(["adafactor"], min(lengths), max(ranks))
-            + "."
-        )
-    if "lora" not in allowed and not job.base_rank:
-        out.append(
-            f"--allow lora (rank {LORA_RANK} adapters, base frozen): the least configuration "
-            "would need " + least(optimizers, min(lengths), LORA_RANK) + "."
-        )
-    if "truncation" not in allowed:
-        short = max(8, job.seq_len // 2 // 8 * 8)
-        if short < job.seq_len:
-            out.append(
-                f"--allow truncation (e.g. to {short} tokens): the least configuration would "
-                "need " + least(optimizers, short, max(ranks)) + "."
-            )
-    if "quantization" not in allowed and job.base_quantization == "none":
-        # quantization needs LoRA: the suggestion allows both (a LoRA rank of the job's own stays)
-        levers = set(allowed) | {"quantization"} | (set() if job.base_rank else {"lora"})
-        flag = ",".join(sorted(levers, key=LEVERS.index))
-        rank = job.base_rank or LORA_RANK
-        out.append(
-            f"--allow {flag} (QLoRA: rank {rank} adapters on {QLORA[0]} base weights with double "
-            "quantization; each pass dequantizes them, slower steps): the least configuration "
-            "would need " + least(optimizers, min(lengths), rank, QLORA, space.precisions) + "."
-            # each precision: mixed precision's copies can outweigh 4-bit weights' saving
+            f"--allow {flag} ({hint}): the least configuration would need "
+            f"{format_bytes(need)} ({verdict})."
         )
     return out
 

@@ -19,8 +19,14 @@ GPU memory by paging over the host link, which is slow (:mod:`memfit.plan.cost` 
 plain 8-bit AdamW or Adafactor that fits always wins. Each tier's configurations are searched in
 two rounds, those without a paged swap first.
 
-Knobs the job pins (``precision``, ``lora_rank``, ``quantization`` with ``double_quant``) are kept
-as given: a pinned LoRA rank or quantization is the job itself, not a lever.
+Knobs the job pins (``precision``, and the levers' :attr:`~memfit.levers.base.Lever.pins`: a
+LoRA rank, quantized base weights) are kept as given: they are the job itself, not a lever.
+
+The levers are :data:`memfit.levers.LEVERS`: each says which values a plan tries
+(:meth:`~memfit.levers.base.Lever.plan_options`), which of them needs least memory, and what a
+hint that allows it says; the search (:mod:`memfit.plan.search`) takes every combination that
+memfit train runs (:meth:`memfit.job.Job.problems` with ``run=True``, on the ranks and sharding
+priced), so no configuration, scale-out row or hint offers what ``memfit train`` refuses.
 
 With ``world_size`` W and ``sharding`` (none | zero1 | zero2 | zero3 | fsdp) the plan is per rank:
 micro-batch × accumulation × W = the effective batch, each rank's memory as the scheme divides
@@ -38,342 +44,69 @@ possible throughput (the whole per-rank batch at once) could beat the best found
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import inspect
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from memfit import levers
 from memfit.devices.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.errors import UsageError
 from memfit.estimate import depth, workload
-from memfit.estimate.api import estimate
 from memfit.estimate.prefetch import prefetch
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
 from memfit.extras import problems as missing_packages
 from memfit.job import (
-    CACHED_LOSSES,
     IN_BATCH_NEGATIVE_LOSSES,
-    SWAP_OPTIMIZERS,
     TRACE_DEPTHS,
     Job,
     choice_problem,
     positions_problem,
 )
+from memfit.levers.base import Room
+from memfit.models import resolve_model
 from memfit.plan import cost
 from memfit.plan.configuration import LORA_RANK, QLORA, TIERS, Candidate, Levers, Plan
 from memfit.plan.data_profile import DataProfile
+from memfit.plan.explain import explain, suggest
+from memfit.plan.search import (
+    MAX_MICRO_ROWS,
+    MAX_MICRO_TOKENS,
+    Search,
+    Space,
+    _divisors,
+    _within,
+)
 from memfit.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
     from memfit.models import ModelSpec
 
-LEVERS = ("optimizer", "truncation", "lora", "quantization")  # --allow's, least harmful first
+# the levers ``--allow`` names, least harmful first (:data:`memfit.levers.ALLOWABLE`)
+LEVERS = levers.ALLOWABLE
+# the job's fields a plan keeps as given (:attr:`memfit.levers.base.Lever.pins`): the keywords
+# of :func:`plan` beside its own
+PINS = tuple(name for lever in levers.LEVERS for name in lever.pins)
 # the largest effective batch a plan takes: the micro-batches are its divisors, from its prime
 # factors, instant below it (Pollard's rho needs a few thousand steps for the hardest 18 digits)
 MAX_EFFECTIVE_BATCH = 10**18
-# the most one micro-batch (an in-batch-negatives loss: one rank's whole step) is tried with: no
-# device holds the activations of more, and the estimate's dims (rows × tokens × vocabulary,
-# rows × heads × tokens², rows²) stay far inside 64-bit integers below these
-MAX_MICRO_ROWS = 2**24
-MAX_MICRO_TOKENS = 2**32
 __all__ = [
     "LEVERS",
     "LORA_RANK",
+    "MAX_MICRO_ROWS",
+    "MAX_MICRO_TOKENS",
+    "PINS",
     "QLORA",
     "TIERS",
     "Candidate",
     "Levers",
     "Plan",
+    "Search",
+    "Space",
+    "_divisors",
     "plan",
     "plan_problems",
 ]
-
-
-# --- the search --------------------------------------------------------------------------------------
-@dataclass
-class Search:
-    """One plan's search: the job's fixed settings, the budget, and the estimates made so far."""
-
-    model: str
-    task: str
-    seq_len: int
-    per_rank: int
-    world_size: int
-    loss: str
-    num_labels: int
-    attn_implementation: str
-    base_optimizer: str
-    gpu: Gpu
-    gpu_name: str | None  # passed to estimate (its profile); None: generic
-    usable: int
-    shape: cost.ModelShape
-    columns: int
-    frugal_precision: str = "fp32"
-    sharding: str = "none"
-    trace_depth: str = "auto"
-    # the job's own LoRA rank and quantization (0 and none: full fine-tuning of plain weights)
-    base_rank: int = 0
-    base_quantization: str = "none"
-    # the least configurations (every lever at its most frugal, micro-batch 1) and their peaks
-    least: dict[Levers, int] = field(default_factory=dict)
-    _estimates: dict[tuple[Levers, int], int] = field(default_factory=dict)
-    _model_states: dict[tuple[Levers, int], int] = field(default_factory=dict)
-
-    @property
-    def in_batch_negatives(self) -> bool:
-        return self.loss in IN_BATCH_NEGATIVE_LOSSES
-
-    def tier(self, knobs: Levers) -> int:
-        """The most harmful lever ``knobs`` use beyond the job's own values (:data:`TIERS`)."""
-        return knobs.tier(self.base_optimizer, self.seq_len, self.base_rank, self.base_quantization)
-
-    def order(self, knobs: Levers) -> tuple[int, bool]:
-        """The search's order: the tier, then a paged optimizer swap after the tier's others."""
-        return self.tier(knobs), knobs.paged_swap(self.base_optimizer)
-
-    def estimate_kwargs(self, knobs: Levers, micro: int) -> dict[str, Any]:
-        """The ``estimate`` arguments of these knobs at micro-batch (or mini-batch) ``micro``."""
-        kwargs: dict[str, Any] = {}
-        batch = micro
-        loss: str | None = None if self.task != "sentence-embedding" else self.loss
-        if self.in_batch_negatives:
-            batch = self.per_rank
-            if micro < self.per_rank:
-                loss = CACHED_LOSSES.get(self.loss, self.loss)
-                kwargs["mini_batch_size"] = micro
-            else:
-                loss = self.loss
-        else:
-            # the later micro-batches run while the earlier ones' gradients are alive
-            kwargs["gradient_accumulation_steps"] = self.per_rank // micro
-        if knobs.quantization != "none":
-            # the estimate's defaults otherwise, so that plain plans ask what they always asked
-            kwargs.update(quantization=knobs.quantization, double_quant=knobs.double_quant)
-        return dict(
-            task=self.task,
-            batch_size=batch,
-            seq_len=self.seq_len,
-            precision=knobs.precision,
-            optimizer=knobs.optimizer,
-            gradient_checkpointing=knobs.gradient_checkpointing,
-            attn_implementation=self.attn_implementation,
-            num_labels=self.num_labels,
-            loss=loss,
-            lora_rank=knobs.lora_rank or None,
-            max_seq_len=knobs.max_seq_len if knobs.max_seq_len < self.seq_len else None,
-            world_size=self.world_size,
-            sharding=self.sharding,
-            gpu=self.gpu_name,
-            **kwargs,
-            **({} if self.trace_depth == "auto" else {"trace_depth": self.trace_depth}),
-        )
-
-    def peak(self, knobs: Levers, micro: int) -> int:
-        """Predicted peak for these knobs at micro-batch ``micro`` (mini-batch, for the cached loss)."""
-        key = (knobs, micro)
-        if key not in self._estimates:
-            result = estimate(self.model, **self.estimate_kwargs(knobs, micro))
-            self._estimates[key] = result.total_bytes
-            self._model_states[key] = result.details["model_state"]["total_bytes"]
-        return self._estimates[key]
-
-    def model_state(self, knobs: Levers, micro: int) -> int:
-        """Parameters, gradients and optimizer state on one rank (plus the scheme's buffers)."""
-        self.peak(knobs, micro)
-        return self._model_states[(knobs, micro)]
-
-    def candidate(self, knobs: Levers, micro: int) -> Candidate:
-        cached = self.in_batch_negatives and micro < self.per_rank
-        if self.in_batch_negatives:
-            micro_batch, accumulation = self.per_rank, 1
-            loss = CACHED_LOSSES.get(self.loss, self.loss) if cached else self.loss
-            mini = micro if cached else None
-        else:
-            micro_batch, accumulation = micro, self.per_rank // micro
-            loss, mini = self.loss, None
-        return Candidate(
-            knobs=knobs,
-            micro_batch_size=micro_batch,
-            gradient_accumulation_steps=accumulation,
-            world_size=self.world_size,
-            loss=loss,
-            mini_batch_size=mini,
-            predicted_peak_bytes=self.peak(knobs, micro),
-            predicted_samples_per_second=self.speed(knobs, micro),
-            sharding=self.sharding,
-        )
-
-    def speed(self, knobs: Levers, micro: int) -> float:
-        cached = self.in_batch_negatives and micro < self.per_rank
-        micro_batch = self.per_rank if self.in_batch_negatives else micro
-        return cost.samples_per_second(
-            self.shape,
-            self.gpu,
-            precision=knobs.precision,
-            micro_batch_size=micro_batch,
-            accumulation_steps=self.per_rank // micro_batch,
-            seq_len=knobs.max_seq_len,
-            gradient_checkpointing=knobs.gradient_checkpointing,
-            optimizer=knobs.optimizer,
-            lora=bool(knobs.lora_rank),
-            cached_loss=cached,
-            world_size=self.world_size,
-            columns=self.columns,
-            mini_batch_size=micro if cached else None,
-            quantization=knobs.quantization,
-            double_quant=knobs.double_quant,
-            lora_rank=knobs.lora_rank,
-        )
-
-    def micro_batches(self) -> list[int]:
-        """The micro-batches (mini-batches, for the cached loss) a plan tries, smallest first:
-        the divisors of the per-rank batch, up to :data:`MAX_MICRO_ROWS` rows and
-        :data:`MAX_MICRO_TOKENS` tokens."""
-        fits = [m for m in _divisors(self.per_rank) if _within(m, self.seq_len, self.columns)]
-        return fits or [1]
-
-    def largest_fitting(self, knobs: Levers, micros: Sequence[int]) -> int | None:
-        """The largest micro-batch (of the sorted ``micros``) whose peak fits, by bisection."""
-        lo, hi, best = 0, len(micros) - 1, None
-        # try the largest first: it often fits, and then one estimate settles it
-        if self.peak(knobs, micros[hi]) <= self.usable:
-            return micros[hi]
-        hi -= 1
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if self.peak(knobs, micros[mid]) <= self.usable:
-                best, lo = micros[mid], mid + 1
-            else:
-                hi = mid - 1
-        return best
-
-
-def _within(rows: int, seq_len: int, columns: int) -> bool:
-    """Whether a micro-batch of ``rows`` is one a plan may try (see :data:`MAX_MICRO_ROWS`)."""
-    return rows <= MAX_MICRO_ROWS and rows * seq_len * columns <= MAX_MICRO_TOKENS
-
-
-def _divisors(n: int) -> list[int]:
-    """Every divisor of ``n`` (at least 1), smallest first, built from its prime factors: an
-    effective batch may be any number a user types (trying every number up to it took a minute
-    at 10^9 and hours at 10^10)."""
-    divisors = [1]
-    for prime, power in sorted(_prime_factors(n).items()):
-        divisors = [d * prime**k for d in divisors for k in range(power + 1)]
-    return sorted(divisors)
-
-
-# Miller–Rabin with these bases is exact below 3.3·10^24 (every batch the planner accepts)
-_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    for p in _WITNESSES:
-        if n % p == 0:
-            return n == p
-    d, r = n - 1, 0
-    while d % 2 == 0:
-        d, r = d // 2, r + 1
-    for a in _WITNESSES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(r - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def _some_factor(n: int) -> int:
-    """A factor of the odd composite ``n`` other than 1 and ``n`` (Pollard's rho, Brent's cycle
-    search): about n^¼ steps, milliseconds for the 18-digit numbers trial division cannot do."""
-    for c in range(1, n):
-        x = y = 2
-        power = length = 1
-        factor = 1
-        while factor == 1:
-            if power == length:  # Brent: restart the tortoise at the hare every power of two
-                x, power, length = y, power * 2, 0
-            y = (y * y + c) % n
-            length += 1
-            factor = math.gcd(abs(x - y), n)
-        if factor != n:
-            return factor
-    raise AssertionError(f"no factor of {n} found")  # never: n is composite
-
-
-def _prime_factors(n: int) -> dict[int, int]:
-    """``n``'s prime factorization, ``{prime: power}`` (``{}`` for 1)."""
-    factors: dict[int, int] = {}
-    for p in (2, 3, 5, 7, 11, 13):  # the small primes batch sizes are made of, at once
-        while n % p == 0:
-            factors[p] = factors.get(p, 0) + 1
-            n //= p
-    pending = [n] if n > 1 else []
-    while pending:
-        m = pending.pop()
-        if _is_prime(m):
-            factors[m] = factors.get(m, 0) + 1
-        else:
-            f = _some_factor(m)
-            pending += [f, m // f]
-    return factors
-
-
-def _truncations(seq_len: int, profile: DataProfile | None) -> list[int]:
-    """Shorter lengths to try: the data's 99th/95th/90th percentiles, or ¾ and ½ of the length."""
-    if profile is not None:
-        raw = [profile.percentile(q) for q in (99, 95, 90)]
-    else:
-        raw = [seq_len * 3 // 4, seq_len // 2]
-    out = sorted({max(8, -(-x // 8) * 8) for x in raw if x < seq_len}, reverse=True)
-    return [x for x in out if x < seq_len]
-
-
-@dataclass(frozen=True)
-class Space:
-    """The lever values a plan may try: the pinned or the GPU's precisions, and the allowed
-    optimizers, truncations, LoRA ranks and base-weight quantizations (the job's own values
-    first; a quantization is tried only with a LoRA rank)."""
-
-    precisions: tuple[str, ...]
-    optimizers: tuple[str, ...]
-    lengths: tuple[int, ...]
-    ranks: tuple[int, ...]
-    quantizations: tuple[tuple[str, bool], ...] = (("none", False),)
-
-    def _weights(self, rank: int) -> list[tuple[str, bool]]:
-        """The base weights' forms that go with ``rank``: quantized ones only under LoRA."""
-        return [q for q in self.quantizations if rank or q[0] == "none"]
-
-    def combos(self) -> list[Levers]:
-        """Every combination of the levers, checkpointing off and on."""
-        return [
-            Levers(p, c, o, s, r, q, dq)
-            for p in self.precisions
-            for c in (False, True)
-            for o in self.optimizers
-            for s in self.lengths
-            for r in self.ranks
-            for q, dq in self._weights(r)
-        ]
-
-    def frugal(self) -> list[Levers]:
-        """Every lever at its most frugal, for each precision, optimizer and base-weight form: the
-        least configurations (which is smallest depends on the model: peft's k-bit preparation
-        upcasts what is not quantized, which can outweigh the saving on a small model)."""
-        length, rank = min(self.lengths), max(self.ranks)
-        return [
-            Levers(p, True, o, length, rank, q, dq)
-            for p in self.precisions
-            for o in self.optimizers
-            for q, dq in self._weights(rank)
-        ]
 
 
 def plan(
@@ -395,17 +128,17 @@ def plan(
     attn_implementation: str = "sdpa",
     sharding: str = "none",
     trace_depth: str = "auto",
-    lora_rank: int | None = None,
-    quantization: str | None = None,
-    double_quant: bool | None = None,
+    **pins: Any,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing (and, when allowed, optimizer,
     truncation, LoRA, quantized base weights) so that one step fits ``budget × (1 −
     safety_margin)`` and the effective batch stays ``effective_batch_size`` exactly.
 
-    ``lora_rank``, ``quantization`` and ``double_quant`` pin the job's own LoRA adapters and base
-    weights (kept as given); ``allow`` may add ``lora`` (rank 8) and ``quantization`` (QLoRA's
-    NF4 with double quantization; it needs LoRA: ``lora`` allowed too, or a ``lora_rank``).
+    ``pins``: the job's own values of the levers' :data:`PINS` (``lora_rank``, ``quantization``
+    and its double quantization: the job's LoRA adapters and base weights, kept as given); a
+    keyword that is none of them is a TypeError, as a function's unknown keyword is. ``allow`` may
+    add ``lora`` (rank 8) and ``quantization`` (QLoRA's NF4 with double quantization; it needs
+    LoRA: ``lora`` allowed too, or a ``lora_rank``).
 
     ``world_size`` GPUs share the effective batch; ``sharding`` (none | zero1 | zero2 | zero3 |
     fsdp) says how they divide parameters, gradients and optimizer state; the budget is per GPU.
@@ -428,9 +161,7 @@ def plan(
         optimizer=optimizer,
         sharding=sharding,
         attn_implementation=attn_implementation,
-        lora_rank=lora_rank,
-        quantization=quantization,
-        double_quant=double_quant,
+        **_pins("plan", pins),
     )
     model_spec, budget, card = _validate(
         job,
@@ -450,9 +181,16 @@ def plan(
         if isinstance(data_profile, DataProfile) or data_profile is None
         else DataProfile(tuple(int(x) for x in data_profile), source="data_profile")
     )
-    base_rank = lora_rank or 0
-    base_weights = (quantization or "none", bool(double_quant))
-    space = _space(card, precision, optimizer, allowed, seq_len, profile, base_rank, base_weights)
+    # each lever's options in this room: the job's own values first, the allowed ones beside
+    room = Room(
+        job=job,
+        allowed=tuple(allowed),
+        mixed_precision=card.mixed_precision(),
+        percentile=None if profile is None else profile.percentile,
+    )
+    space = Space.of(room)
+    # adapters anywhere in the space: the cost model counts them
+    adapters = any(v.get("lora_rank") for _, options in space.options for v in options)
     search = Search(
         model=model,
         task=task,
@@ -466,12 +204,12 @@ def plan(
         gpu=card,
         gpu_name=gpu_name,
         usable=int(budget * (1 - safety_margin)),
-        shape=cost.model_shape(model_spec.config, spec, lora=max(space.ranks) > 0),
+        shape=cost.model_shape(model_spec.config, spec, lora=adapters),
         columns=2 if task == "sentence-embedding" else 1,
+        space=space,
         sharding=sharding,
         trace_depth=trace_depth,
-        base_rank=base_rank,
-        base_quantization=base_weights[0],
+        base_rank=job.lora_rank or 0,
     )
     whole = trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None
     if whole and not depth.few_layers(model_spec.config):
@@ -500,43 +238,10 @@ def plan(
         pinned_precision=precision,
         base_optimizer=optimizer,
         attn_implementation=attn_implementation,
-        lora_rank=lora_rank or None,
-        quantization=None if base_weights[0] == "none" else base_weights[0],
-        double_quant=base_weights[1] or None,
+        pinned=_pinned(job),
     )
     _conclude(result, search, space, evaluated, profile, notes)
     return result
-
-
-def _space(
-    card: Gpu,
-    precision: str | None,
-    optimizer: str,
-    allowed: Sequence[str],
-    seq_len: int,
-    profile: DataProfile | None,
-    base_rank: int = 0,
-    base_weights: tuple[str, bool] = ("none", False),
-) -> Space:
-    """The levers the plan may try: the pinned precision or the GPU's mixed one and fp32, and
-    only the allowed swaps, truncations, LoRA and quantization beside the job's own values (a
-    pinned LoRA rank or quantization is the only one tried)."""
-    if base_rank:
-        ranks: tuple[int, ...] = (base_rank,)
-    else:
-        ranks = (0,) + ((LORA_RANK,) if "lora" in allowed else ())
-    weights: tuple[tuple[str, bool], ...] = (base_weights,)
-    if base_weights[0] == "none" and "quantization" in allowed:
-        weights += (QLORA,)
-    return Space(
-        precisions=(precision,) if precision else (card.mixed_precision(), "fp32"),
-        optimizers=(optimizer,)
-        + (tuple(o for o in SWAP_OPTIMIZERS if o != optimizer) if "optimizer" in allowed else ()),
-        lengths=(seq_len,)
-        + (tuple(_truncations(seq_len, profile)) if "truncation" in allowed else ()),
-        ranks=ranks,
-        quantizations=weights,
-    )
 
 
 def plan_problems(
@@ -548,14 +253,13 @@ def plan_problems(
     gpu_memory: int | str | None = None,
     loss: str | None = None,
     num_labels: int = 2,
-    lora_rank: int | None = None,
-    quantization: str | None = None,
-    double_quant: bool | None = None,
+    **pins: Any,
 ) -> list[str]:
     """Every problem :func:`plan` would refuse these arguments (``memfit plan``'s flags) with,
     one line each naming its flag; empty when it accepts them. For those that print a
     ``memfit plan`` command (``memfit doctor``): memfit never prints a command it refuses.
-    Packages this machine lacks are not the command's problem and are left out."""
+    Packages this machine lacks are not the command's problem and are left out. ``pins``: as
+    :func:`plan`'s."""
     job = Job(
         model=model,
         task=task,
@@ -563,9 +267,7 @@ def plan_problems(
         effective_batch_size=effective_batch_size,
         num_labels=num_labels,
         loss=loss,
-        lora_rank=lora_rank,
-        quantization=quantization,
-        double_quant=double_quant,
+        **_pins("plan_problems", pins),
     )
     problems, _, _, _ = _problems(
         job,
@@ -577,6 +279,46 @@ def plan_problems(
         packages=False,
     )
     return problems
+
+
+def _pins(function: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The pins among ``function``'s keywords ``given``; one that is no pin is a TypeError, as a
+    function's unknown keyword is."""
+    for name in given:
+        if name not in PINS:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return dict(given)
+
+
+def _pinned(job: Job) -> dict[str, Any]:
+    """The job's own values of the :data:`PINS`, as the commands a plan prints give them (None:
+    not given, or the plain value: rank 0, plain weights)."""
+    out: dict[str, Any] = {}
+    for lever in levers.LEVERS:
+        given = lever.as_given(lever.values(job))
+        out |= {name: given[name] or None for name in lever.pins}
+    return out
+
+
+def _with_pins(function: Callable[..., Any]) -> None:
+    """Give ``function`` the :data:`PINS` as keyword-only parameters in its signature, where it
+    takes them as ``**pins`` (``help()``, and ``memfit doctor`` reads which it takes)."""
+    hints = typing.get_type_hints(Job)
+    signature = inspect.signature(function)
+    parameters = [
+        p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    parameters += [
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[name]
+        )
+        for name in PINS
+    ]
+    function.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+
+
+_with_pins(plan)
+_with_pins(plan_problems)
 
 
 def _batch_problems(job: Job) -> list[str]:
@@ -643,21 +385,16 @@ def _problems(
 ) -> tuple[list[str], ModelSpec | None, int | None, Gpu | None]:
     """:func:`_validate`'s problems (``packages``: with those of packages not installed), the
     model, the budget and the card, without raising."""
-    from memfit.models import resolve_model
-
-    problems = job.problems()
+    # the runner's checks too: a plan proposes only what memfit train runs
+    problems = job.problems(run=True)
     problems += _batch_problems(job)
     if not isinstance(safety_margin, int | float) or not 0 <= safety_margin < 1:
         problems.append(f"--safety-margin: must be in [0, 1), got {safety_margin!r}")
-    for lever in allowed:
-        if lever not in LEVERS:
-            problems.append(f"--allow: unknown lever {lever!r}; choose from {', '.join(LEVERS)}")
-    if "quantization" in allowed and "lora" not in allowed and not job.lora_rank:
-        # allowing one lever never grants another: LoRA changes what is learned by itself
-        problems.append(
-            "--allow quantization: quantized base weights are frozen, so it needs LoRA adapters "
-            "(QLoRA); allow both (--allow lora,quantization) or give --lora-rank R"
-        )
+    for name in allowed:
+        if name not in LEVERS:
+            problems.append(f"--allow: unknown lever {name!r}; choose from {', '.join(LEVERS)}")
+    for lever in levers.LEVERS:
+        problems.extend(lever.allow_problems(allowed, job))
     if packages and (job.lora_rank or "lora" in allowed):
         # LoRA candidates are estimated with peft's adapters on the model
         flag = "--lora-rank" if job.lora_rank else "--allow lora"
@@ -736,8 +473,8 @@ def _prefetch(search: Search, space: Space) -> None:
     torch and transformers), and so does the whole trace of a model with as few layers as a
     shallow trace has (a test's 2-layer model: the planner's tests ran 55 s longer with them).
     """
-    frugal = set(space.frugal())
-    first = [k for k in space.combos() if search.tier(k) == 0 and k not in frugal]
+    frugal = set(search.frugal())
+    first = [k for k in search.combos() if search.tier(k) == 0 and k not in frugal]
     prefetch(
         search.model,
         [search.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
@@ -752,7 +489,7 @@ def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candid
     Each tier is searched in two rounds (:meth:`Search.order`): without a paged optimizer swap,
     then with one; a round that fits ends the search."""
     per_rank = search.per_rank
-    combos = space.combos()
+    combos = search.combos()
     micros = search.micro_batches()
     evaluated: list[Candidate] = []
     # the least any allowed configuration needs: when even that is over, skip the search
@@ -796,9 +533,6 @@ def _conclude(
 ) -> None:
     """Fill in ``result``'s alternatives, data, explanation, and (nothing fits) the scale-out
     prices and suggestions."""
-    # the explanations read this module's types; this module reads them only here
-    from memfit.plan.explain import explain, suggest
-
     chosen = result.chosen
     result.alternatives = sorted(
         (c for c in evaluated if c is not chosen),
@@ -817,7 +551,7 @@ def _min_required(search: Search, space: Space) -> tuple[int, str]:
     lever at its most frugal, the smallest micro-batch, each precision and optimizer tried (which
     is smaller depends on the model: mixed precision halves activations but adds a half-precision
     copy of the weights)."""
-    search.least = {k: search.peak(k, 1) for k in space.frugal()}
+    search.least = {k: search.peak(k, 1) for k in search.frugal()}
     need, precision = min((peak, k.precision) for k, peak in search.least.items())
     search.frugal_precision = precision
     return need, precision
@@ -831,7 +565,9 @@ def _scale_out(job: Search, space: Space) -> list[dict[str, Any]]:
 
     World sizes: the one asked (other schemes; not when it is one GPU) and 2×, 4×, 8× it, those
     that divide the effective batch. The least configuration is the one ``min_required_bytes``
-    prices (micro-batch 1, checkpointing, every allowed lever), at each precision and optimizer; sharding is a replay of
+    prices (micro-batch 1, checkpointing, every allowed lever), at each precision and optimizer,
+    among those memfit train runs with that scheme (ZeRO and FSDP do not take LoRA adapters:
+    full fine-tuning there; a scheme it runs none with is left out); sharding is a replay of
     the same traces, so this costs milliseconds per entry.
     """
     effective = job.per_rank * job.world_size
@@ -853,9 +589,10 @@ def _scale_out(job: Search, space: Space) -> list[dict[str, Any]]:
                 _estimates={},
                 _model_states={},
             )
-            need, knobs = min(
-                ((other.peak(k, 1), k) for k in space.frugal()), key=lambda pair: pair[0]
-            )
+            least = other.least_of(other.frugal())
+            if least is None:
+                continue  # memfit train runs no allowed configuration so: no offer
+            need, knobs = least
             rows.append(
                 {
                     "world_size": world,

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from memfit import levers
+from memfit.devices.catalog import catalog
 from memfit.units import format_bytes
 
 if TYPE_CHECKING:
@@ -69,8 +71,6 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
 def budget_words(budget_bytes: int, gpu: dict[str, Any] | None) -> str:
     """The budget of a verdict, naming the ``--gpu`` card: ``a T4's 14.56 GiB`` (its memory),
     ``12.00 GiB on a T4`` (--gpu-memory with it), ``16.00 GiB`` (--gpu-memory alone)."""
-    from memfit.devices.catalog import catalog
-
     size = format_bytes(budget_bytes)
     card = catalog().get(str(gpu.get("id"))) if gpu else None
     if card is None:
@@ -103,19 +103,11 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.alternatives:
         console.print("Alternatives that fit:")
         for alt in plan.alternatives:
+            # each lever's settings in its own words, in the plan's order
             s = alt.settings()
+            words = [w for lever in levers.LEVERS if (w := lever.describe(s)) is not None]
             console.print(
-                f"  micro-batch {s['micro_batch_size']} × {s['gradient_accumulation_steps']}, "
-                f"{s['precision']}, checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, "
-                f"{s['optimizer']}, {s['max_seq_len']} tokens"
-                + (f", mini-batch {s['mini_batch_size']}" if s["mini_batch_size"] else "")
-                + (f", LoRA r={s['lora_rank']}" if s["lora_rank"] else "")
-                + (
-                    f", {s['quantization']} base" + (" (double quant)" if s["double_quant"] else "")
-                    if s.get("quantization", "none") != "none"
-                    else ""
-                )
-                + f": {format_bytes(alt.predicted_peak_bytes)}, "
+                f"  {', '.join(words)}: {format_bytes(alt.predicted_peak_bytes)}, "
                 f"{alt.predicted_samples_per_second:.1f} samples/s",
                 soft_wrap=True,
             )

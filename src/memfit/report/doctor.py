@@ -10,12 +10,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import sys
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit import levers
 from memfit.errors import UsageError
-from memfit.job import CACHED_LOSSES, IN_BATCH_NEGATIVE_LOSSES, Job, resolve_loss
+from memfit.job import (
+    CACHED_LOSSES,
+    IN_BATCH_NEGATIVE_LOSSES,
+    STEP_DEFAULTS,
+    STEP_FIELDS,
+    Job,
+    flag_of,
+    resolve_loss,
+)
 from memfit.report import run_files
 from memfit.report.doctor_cures import Fix, cures, gpu_of, loss_of
 from memfit.report.events import agreed_events
@@ -47,61 +59,71 @@ def failed_job(
 ) -> FailedJob:
     """The job that ran out of memory, ``batch_size`` its micro-batch that failed (as
     ``memfit doctor --batch-size`` and ``memfit estimate`` name it); the effective batch is the
-    micro-batch's accumulation when not given. ``knobs``: the other :class:`~memfit.job.Job`
-    fields."""
-    # None: not given (no accumulation); 0 stays 0, for the job's checks to refuse
+    micro-batch's accumulation over the ranks when not given. ``knobs``: the other
+    :class:`~memfit.job.Job` fields."""
+    # None: not given (no accumulation, one rank); 0 stays 0, for the job's checks to refuse
     accumulation = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
+    ranks = knobs.get("world_size")
+    ranks = 1 if ranks is None else ranks
     return FailedJob(
         micro_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
-        effective_batch_size=effective_batch_size or batch_size * accumulation,
+        effective_batch_size=effective_batch_size or batch_size * accumulation * ranks,
         effective_batch_known=effective_batch_size is not None,
         **knobs,
     )
 
 
+# memfit estimate's names for the job's fields where it spells them otherwise
+ESTIMATE_NAMES = {"micro_batch_size": "batch_size"}
+_JOB_FIELDS = {f.name: f for f in dataclasses.fields(Job)}
+_JOB_HINTS = typing.get_type_hints(Job)
+
+
+def _off(name: str) -> Any:
+    """A lever's value when the failed job does not say: a switch off, a choice of "none"."""
+    f = _JOB_FIELDS[name]
+    if bool in (_JOB_HINTS[name], *typing.get_args(_JOB_HINTS[name])):
+        return False
+    return "none" if "none" in (f.metadata.get("choices") or ()) else None
+
+
+def step_values(job: Job) -> dict[str, Any]:
+    """The failed ``job``'s step as :func:`memfit.estimate` names it, every knob of the step
+    (:data:`~memfit.job.STEP_FIELDS`): the step's default where the job does not say (fp32, no
+    checkpointing, two labels, no accumulation, CUDA), a lever not given off (plain weights),
+    None where the estimate has no default; the mini-batch only with the cached loss that has
+    one."""
+    values: dict[str, Any] = {}
+    for name in STEP_FIELDS:
+        value = getattr(job, name)
+        if value is None:
+            value = STEP_DEFAULTS.get(name, _off(name))
+        values[ESTIMATE_NAMES.get(name, name)] = value
+    if loss_of(job) != "cached-mnrl":
+        # a sentence-embedding job with no loss may name a mini-batch: its loss is plain MNRL
+        values["mini_batch_size"] = None
+    return values
+
+
 def estimate_kwargs(job: Job) -> dict[str, Any]:
-    """The :func:`memfit.estimate` arguments of the failed ``job`` (fp32, no checkpointing, two
-    labels, no accumulation, plain weights, CUDA where it does not say; the cached loss with its
-    mini-batch)."""
-    quantized = job.quantization not in (None, "none")
-    cached = job.mini_batch_size is not None and loss_of(job) == "cached-mnrl"
-    return {
-        "task": job.task,
-        "batch_size": job.micro_batch_size,
-        "seq_len": job.seq_len,
-        "precision": job.precision or "fp32",
-        "gradient_checkpointing": bool(job.gradient_checkpointing),
-        "optimizer": job.optimizer,
-        "num_labels": job.num_labels or 2,
-        "loss": job.loss,
-        "lora_rank": job.lora_rank,
-        "gradient_accumulation_steps": job.gradient_accumulation_steps or 1,
-        "device": job.device or "cuda",
-        # the estimate's defaults otherwise
-        **(
-            {"quantization": job.quantization, "double_quant": bool(job.double_quant)}
-            if quantized
-            else {}
-        ),
-        **({"mini_batch_size": job.mini_batch_size} if cached else {}),
-    }
+    """The :func:`memfit.estimate` arguments of the failed ``job`` (:func:`step_values`, the
+    estimate's defaults for those it does not give)."""
+    return {name: value for name, value in step_values(job).items() if value is not None}
 
 
 def job_record(job: Job) -> dict[str, Any]:
     """The ``--json`` ``knobs``: the failed job as ``memfit estimate`` names it, with its model
     and effective batch (the keys are a contract)."""
-    record = {"model": job.model, **estimate_kwargs(job)}
-    device = record.pop("device")
+    record = {"model": job.model, **step_values(job)}
     known = getattr(job, "effective_batch_known", True)
     effective = job.effective_batch_size if known else None
-    weights = {"quantization": job.quantization or "none", "double_quant": bool(job.double_quant)}
     shapes = {
         "mini_batch_size": record.pop("mini_batch_size", None),
         "longest_tokens": getattr(job, "longest_tokens", None),
         "seq_len_source": getattr(job, "seq_len_source", None),
     }
-    return record | weights | {"effective_batch_size": effective, "device": device} | shapes
+    return record | {"effective_batch_size": effective} | shapes
 
 
 @dataclass
@@ -251,6 +273,7 @@ def explain(report: OomReport) -> list[str]:
 
 
 def _estimate_total(model: str, kwargs: dict[str, Any]) -> int:
+    # start-up time: the estimator loads torch and transformers, which reading a message needs not
     from memfit.estimate import estimate
 
     return estimate(model, **kwargs).total_bytes
@@ -294,18 +317,19 @@ def diagnose(
             lines.append(f"saves_bytes unknown: the estimator cannot model this job ({exc})")
             knobs = None
 
-    def saving(**changes: Any) -> int | None:
+    def price(settings: Mapping[str, Any]) -> int | None:
+        """What the job with ``settings`` (its fields changed) saves on the estimated peak."""
         if knobs is None or baseline is None:
             return None
-        kwargs = {**estimate_kwargs(knobs), **changes}
+        kwargs = estimate_kwargs(dataclasses.replace(knobs, **settings))
         try:
             return baseline - _estimate_total(knobs.model, kwargs)
         except UsageError as exc:
-            lines.append(f"could not estimate {changes}: {exc}")
+            lines.append(f"could not estimate {dict(settings)}: {exc}")
             return None
 
     notes: list[str] = []
-    offered = cures(job, saving, report, notes)
+    offered = cures(job, price, report, notes)
     lines += notes
     for fix in offered:
         if fix.saves_bytes is not None and fix.saves_bytes <= 0:
@@ -341,24 +365,37 @@ def _plan_fix(report: OomReport, knobs: Job | None) -> Fix:
     budget = report.capacity_bytes
     gpu_memory = size_arg(budget) if budget is not None and budget > 0 else None
     refused: list[str] = []
+    kept: dict[str, Any] = {}
+    ranks: dict[str, Any] = {}
     if knobs is not None:
-        from memfit.plan.planner import plan_problems
+        # start-up time: the planner loads the estimator (torch), which reading a message needs not
+        from memfit.plan.planner import PINS, plan_problems
 
+        # the job's own settings of the levers a plan uses only when allowed (its LoRA rank, its
+        # base weights) that memfit plan keeps as given: the planner's pins
+        kept = {name: getattr(knobs, name) for name in PINS if getattr(knobs, name) is not None}
+        # its ranks and how they shard the model, which memfit plan plans at as given (one rank
+        # unsharded: the plan's own default, no flag)
+        ranks = {
+            name: value
+            for name, value in levers.BY_NAME["sharding"].values(knobs).items()
+            if value not in (None, 1, "none")
+        }
         try:
             refused = plan_problems(
                 knobs.model,
                 task=knobs.task,
-                seq_len=knobs.seq_len or 0,
+                seq_len=_rows_length(knobs),
                 effective_batch_size=knobs.effective_batch_size,
                 gpu_memory=gpu_memory,
                 loss=loss_of(knobs) if knobs.task == "sentence-embedding" else None,
                 num_labels=knobs.num_labels or 2,
-                lora_rank=knobs.lora_rank,
-                quantization=knobs.quantization,
-                double_quant=knobs.double_quant,
+                **kept,
             )
+            # what the planner checks of the ranks (the effective batch splits over them)
+            refused += levers.BY_NAME["sharding"].problems(knobs)
         except Exception:  # the command is advice: unchecked, it is all placeholders
-            knobs = None
+            knobs, kept, ranks = None, {}, {}
 
     def value(flag: str, given: Any, placeholder: str) -> str:
         """``given`` as the command's value of ``flag``, or the placeholder where plan refuses it."""
@@ -375,17 +412,16 @@ def _plan_fix(report: OomReport, knobs: Job | None) -> Fix:
         "--effective-batch-size",
         value("--effective-batch-size", knobs.effective_batch_size if knobs else None, "N"),
     ]
-    parts += ["--seq-len", value("--seq-len", knobs.seq_len if knobs else None, "LEN")]
+    parts += ["--seq-len", value("--seq-len", _rows_length(knobs) if knobs else None, "LEN")]
     if knobs is not None and knobs.task == "sentence-embedding" and knobs.loss is not None:
         parts += ["--loss", value("--loss", loss_of(knobs), "LOSS")]
     if knobs is not None and knobs.task == "classification" and (knobs.num_labels or 2) != 2:
         parts += ["--num-labels", value("--num-labels", knobs.num_labels, "K")]
-    if knobs is not None and knobs.lora_rank:
-        # the job's own: the plan keeps them
-        parts += ["--lora-rank", value("--lora-rank", knobs.lora_rank, "R")]
-    if knobs is not None and knobs.quantization not in (None, "none"):
-        parts += ["--quantization", value("--quantization", knobs.quantization, "KIND")]
-        parts += ["--double-quant"] if knobs.double_quant else []
+    # the job's own lever settings (the plan keeps them) and its ranks, each flag as its lever
+    # writes it
+    for setting in levers.flags(kept | ranks):
+        flag, _, given = setting.partition(" ")
+        parts += [flag, value(flag, given, _placeholder(flag))] if given else [flag]
     if gpu_memory is not None and not any(p.startswith("--gpu-memory") for p in refused):
         parts += ["--gpu-memory", gpu_memory]
     else:
@@ -396,6 +432,22 @@ def _plan_fix(report: OomReport, knobs: Job | None) -> Fix:
         cost="none: it only prints a plan",
         lever="plan",
     )
+
+
+def _rows_length(job: Job) -> int:
+    """The tokens per row of ``job``'s step: its sequence length, cut to its ``max_seq_len``
+    (memfit plan takes no cut: its ``--seq-len`` is the rows' length); 0 when not known."""
+    seq_len, cut = job.seq_len or 0, job.max_seq_len
+    return min(seq_len, cut) if cut else seq_len
+
+
+def _placeholder(flag: str) -> str:
+    """A command's stand-in for the value of a knob's ``flag`` that memfit plan refuses:
+    ``KIND`` for a choice, else the initial of its last word (``--lora-rank R``)."""
+    f = next((f for f in _JOB_FIELDS.values() if flag_of(f) == flag), None)
+    if f is None or f.metadata.get("choices"):
+        return "KIND"
+    return f.name.rsplit("_", 1)[-1][0].upper()
 
 
 # --- inputs: a message, a log file, a run folder ---------------------------------------------------
@@ -424,8 +476,6 @@ def from_text(
 
 def from_file(path: str, *, knobs: Job | None = None) -> Diagnosis:
     """The last OOM message of a log file (``-``: standard input)."""
-    import sys
-
     if path == "-":
         text = sys.stdin.read()
     else:
@@ -475,6 +525,13 @@ def knobs_from_run(
     else:
         accumulation = max(1, -(-(effective or batch) // (batch * world)))
     device = str(resolved.get("device") or config.get("device") or "cuda")
+    # the ranks' sharding as the run resolved it; an edited value no scheme names is left out
+    sharding = resolved.get("sharding") or config.get("sharding") or "none"
+    if sharding not in (_JOB_FIELDS["sharding"].metadata.get("choices") or ()):
+        sharding = "none"
+    # the run's own lever settings (its optimizer, LoRA, base weights, ...); the shapes, the
+    # batches and what the run resolved are read above
+    own = run_files.lever_settings(config, skip=run_files.FROM_THE_RUN)
     return failed_job(
         model=str(model),
         task=str(task),
@@ -486,15 +543,14 @@ def knobs_from_run(
         gradient_checkpointing=bool(
             resolved.get("gradient_checkpointing", config.get("gradient_checkpointing")) or False
         ),
-        optimizer=str(config.get("optimizer") or "adamw"),
         num_labels=int(config.get("num_labels") or len(config.get("labels") or []) or 2),
         loss=loss,
         mini_batch_size=mini,
-        lora_rank=config.get("lora_rank"),
-        quantization=config.get("quantization"),
-        double_quant=config.get("double_quant"),
+        **own,
         gradient_accumulation_steps=accumulation,
         effective_batch_size=effective,
+        world_size=world,
+        sharding=str(sharding),
         device="cpu" if device.startswith("cpu") else "cuda",
     )
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
-from memfit.job import OPTIMIZERS
-from memfit.report import run_files
+from memfit.report import plots, run_files
 from memfit.report.console import PART_LABELS
 from memfit.report.events import agreed_events
+from memfit.report.plots import train_lines
 from memfit.report.run_files import MAX_BYTES
 from memfit.report.shapes import positive_int, run_width
 from memfit.units import format_bytes
@@ -157,8 +157,6 @@ def run_shapes(
     (no more than the data holds) at the padded width of the micro-batch holding the longest
     row (run.json's ``resolved.seq_len``; older run folders: the probe's longest row, then
     ``--max-seq-len``)."""
-    from memfit.report.plots import train_lines
-
     config = run.get("config") or {}
     resolved = run.get("resolved") or {}
     width = run_width(run, events, metrics)
@@ -235,21 +233,13 @@ def run_estimate(
         )
     elif shapes.gradient_accumulation_steps > 1:
         knobs["gradient_accumulation_steps"] = shapes.gradient_accumulation_steps
-    if config.get("optimizer") in OPTIMIZERS:
-        knobs["optimizer"] = config["optimizer"]
     if config.get("task") == "classification" and config.get("num_labels"):
         knobs["num_labels"] = int(config["num_labels"])
     if config.get("task") == "sentence-embedding" and config.get("loss"):
         knobs["loss"] = config["loss"]
-    if config.get("attn_implementation"):
-        knobs["attn_implementation"] = str(config["attn_implementation"])
-    if config.get("lora_rank"):
-        knobs["lora_rank"] = int(config["lora_rank"])
-        if config.get("lora_target_modules"):
-            knobs["lora_target_modules"] = list(config["lora_target_modules"])
-    if config.get("quantization") not in (None, "none"):
-        knobs["quantization"] = str(config["quantization"])
-        knobs["double_quant"] = bool(config.get("double_quant"))
+    # the run's own lever settings (its optimizer, attention, LoRA, base weights, ...); the
+    # shapes, the batches and what the run resolved are read above and below
+    knobs |= run_files.lever_settings(config, skip=run_files.FROM_THE_RUN)
     world = int(resolved.get("world_size") or 1)
     if world > 1:
         # the memory of one rank: sharded as the run was
@@ -258,6 +248,8 @@ def run_estimate(
     described += f", {knobs['precision']}, on {device}"
     shapes_note = f" Shapes: {shapes.seq_source}; {shapes.batch_source}."
     try:
+        # the estimator loads torch and transformers, which a page from a run's recorded
+        # estimate needs not: imported here for start-up time
         from memfit.estimate import estimate
 
         result = estimate(str(model), **knobs)
@@ -346,8 +338,6 @@ def measured_at(
 ) -> tuple[int, str] | None:
     """The largest peak of the steps that ran ``micro_batch_size`` without an out-of-memory
     error (a step that hit one holds the failed attempt's bytes too), and those steps in words."""
-    from memfit.report.plots import train_lines
-
     failed = {e.get("step") for e in events if e.get("type") == "oom"}
     peaks = [
         (int(m["peak_bytes"]), m["step"])
@@ -376,8 +366,6 @@ def write_report(
     shown). ``on_note`` receives each line about what of the run files was left out (the page
     says it too). Returns the path of the page.
     """
-    from memfit.report import plots
-
     found = read_run(run_dir)
     for note in found["notes"]:
         if on_note is not None:
@@ -603,8 +591,6 @@ def render_html(
     comparison_text: str = "",
 ) -> str:
     """The page: a summary, the three plots, the events, the estimate, the plan and the config."""
-    from memfit.report.plots import train_lines
-
     measure = measure or measure_of(run)
     config = run.get("config") or {}
     resolved = run.get("resolved") or {}

@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from memfit.units import format_bytes
+
 # every unit of PyTorch's OOM messages is binary (see the module docstring)
 _UNITS = {
     "b": 1,
@@ -271,8 +273,6 @@ def _drop_impossible(report: OomReport) -> None:
     the capacity, more allocated than reserved), and any figure beyond 2^64 bytes, and say why
     in ``report.impossible``: a fix computed from them (``memfit plan --gpu-memory 0``) would
     be as wrong as they are."""
-    from memfit.units import format_bytes
-
     fb = format_bytes
     if report.requested_bytes is not None and report.requested_bytes > MAX_FIGURE:
         # no allocator asks for it: the request alone is dropped (the device's figures may hold)

@@ -20,12 +20,18 @@ Fields the readers do not read are kept as they are (the page shows them escaped
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from memfit import levers
+from memfit.job import Job
+from memfit.knobs import whole
 
 # far above any real run (2^60 B is an exbibyte, 2^53 rows or steps beyond any data set) and
 # below what a float holds exactly or a plot can draw
@@ -227,28 +233,42 @@ def event_schema(kind: Any) -> Mapping[str, Check]:
     return {**EVENTS, **own} if own else EVENTS
 
 
+_JOB_KNOBS = {f.name: f for f in dataclasses.fields(Job)}
+_JOB_HINTS = typing.get_type_hints(Job)
+
+
+def _knob_check(knob: dataclasses.Field[Any], hint: Any) -> Check:
+    """What memfit train writes for a knob of the job (its field's type ``hint``, resolved as
+    :func:`typing.get_type_hints` gives it, and its bound): a flag, a list of names, a whole
+    number from the knob's bound (``--lora-rank 0``: full fine-tuning), else a string (a
+    choice)."""
+    kinds = (hint, *typing.get_args(hint))  # ``T | None``: T among the union's members
+    if bool in kinds:
+        return flag
+    if any(typing.get_origin(kind) is list for kind in kinds):
+        return strings
+    minimum = knob.metadata.get("minimum")
+    return text if minimum is None else count(minimum)
+
+
+# the levers' knobs as memfit train records them in run.json's config
+LEVER_KNOBS: dict[str, Check] = {
+    name: _knob_check(_JOB_KNOBS[name], _JOB_HINTS[name])
+    for lever in levers.LEVERS
+    for name in lever.fields
+}
+
 # run.json: the sections the readers use, and the fields of each they read
 RUN_SECTIONS: dict[str, dict[str, Check]] = {
     "config": {
         "model": text,
         "task": text,
         "loss": text,
-        "optimizer": text,
-        "precision": text,
         "device": text,
         "padding": text,
-        "attn_implementation": text,
-        "quantization": text,
-        "double_quant": flag,
-        "gradient_checkpointing": flag,
-        "effective_batch_size": POSITIVE,
-        "micro_batch_size": POSITIVE,
+        **LEVER_KNOBS,
         "seq_len": POSITIVE,
-        "max_seq_len": POSITIVE,
         "num_labels": POSITIVE,
-        "world_size": POSITIVE,
-        "lora_rank": COUNT,  # 0: full fine-tuning (--lora-rank 0)
-        "lora_target_modules": strings,
         "labels": strings,
         # sizes as the user gave them, beyond the measured ones' bound
         "memory_cap": count(1, MAX_GIVEN),
@@ -350,6 +370,49 @@ def skipped_note(path: Path, bad: list[tuple[int, str]]) -> str:
     more = f"; and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
     lines = "line" if len(bad) == 1 else "lines"
     return f"{path}: skipped {len(bad)} {lines} ({listed}{more})"
+
+
+# the knobs the readers take from what the run fed or resolved (the shapes, the batches, the
+# precision, the ranks: run.json's ``resolved``, the events), not from its ``config``
+FROM_THE_RUN = (
+    "effective_batch_size",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "max_tokens_per_micro_batch",
+    "mini_batch_size",
+    "precision",
+    "gradient_checkpointing",
+    "max_seq_len",
+    "world_size",
+    "sharding",
+)
+
+
+def _fits(knob: dataclasses.Field[Any], value: Any) -> bool:
+    """``value`` is one of the knob's choices, or a whole number within its bound."""
+    choices, minimum = knob.metadata.get("choices"), knob.metadata.get("minimum")
+    if choices is not None:
+        return value in choices
+    return minimum is None or whole(value, minimum)
+
+
+def lever_settings(config: Mapping[str, Any], skip: Collection[str] = ()) -> dict[str, Any]:
+    """The run's own lever settings as run.json's ``config`` records them (memfit train's
+    flags), each lever's only where the run used it (its values set a flag: a LoRA rank, a
+    quantized base); a value outside its knob's choices or bound (an edited file) is left out.
+    ``skip``: the fields the reader takes elsewhere (what the run resolved or fed)."""
+    settings: dict[str, Any] = {}
+    for lever in levers.LEVERS:
+        values = {
+            name: config[name]
+            for name in lever.fields
+            if name not in skip
+            and config.get(name) is not None
+            and _fits(_JOB_KNOBS[name], config[name])
+        }
+        if values and lever.flags(values):
+            settings |= values
+    return settings
 
 
 def read_run_json(path: Path) -> tuple[dict[str, Any], list[str]]:

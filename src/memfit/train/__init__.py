@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # the run (torch, transformers) loads on first use: ``memfit train --help`` and the config
-    # checks need only TrainConfig
+    # ``memfit train --help`` and the config checks need only TrainConfig: the run (torch,
+    # transformers) loads on first use
     if name == "train":
-        from memfit.train.run import train
+        from memfit.train.run import train  # start-up time: torch and transformers
 
         return train
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

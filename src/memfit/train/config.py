@@ -23,17 +23,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from memfit.data.instructions import flag_problems
 from memfit.errors import UsageError
-from memfit.job import (
-    DEEPSPEED_SCHEMES,
-    JOB_FIELDS,
-    OPTIMIZER_TABLE,
-    Job,
-    finite_problem,
-    flag_of,
-    knob,
-    whole_problem,
-)
+from memfit.extras import problems as missing_packages
+from memfit.job import JOB_FIELDS, Job
+from memfit.knobs import finite_problem, flag_of, knob, whole_problem
+from memfit.levers.optimizer import OPTIMIZER_TABLE
+from memfit.levers.sharding import DEEPSPEED_SCHEMES
+from memfit.runtime import launched_world_size
+from memfit.train.loggers import report_problems
+from memfit.train.runfolder import folder_problems
 
 SCHEDULERS = ("linear", "cosine", "constant")
 PADDINGS = ("longest", "max_length")
@@ -238,17 +237,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         if found is not None:
             problems.append(found)
     if cfg.task == "sentence-embedding" and _whole(cfg.effective_batch_size):
+        # here, not at the top, for the CLI's start-up time: the recipe loads torch, transformers
         from memfit.train.recipes.sentence_embedding import batch_problems
 
         # in-batch negatives: one pair per step has none (a loss of 0)
         problems.extend(batch_problems(cfg.loss or "mnrl", int(cfg.effective_batch_size)))
     if cfg.task == "sentence-embedding":
-        from memfit.extras import problems as missing_packages
-
         # the recipe trains a SentenceTransformer with sentence-transformers' losses
         problems.extend(missing_packages([("sentence_transformers", "--task sentence-embedding")]))
-    from memfit.data.instructions import flag_problems
-
     # prompt/completion and chat rows: causal-lm only, the two columns together, no packing
     problems.extend(
         flag_problems(
@@ -267,9 +263,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if not 0 <= cfg.warmup_ratio < 1:
         problems.append(f"--warmup-ratio: must be in [0, 1), got {cfg.warmup_ratio}")
     add(_distributed_problems(cfg))
+    # what memfit train's runner cannot run (DeepSpeed ZeRO or FSDP with LoRA, ...): the levers'
+    # one table, which a plan and the doctor consult too, so that none proposes what train refuses
+    # (the job's own problems, above, are said once)
+    for job in _run_jobs(cfg):
+        add(job.problems(typed=True, run=True))
     if cfg.device == "cuda" and not _cuda_available():
         problems.append("--device: cuda was asked for but no CUDA GPU is visible")
-    from memfit.train.loggers import report_problems
+    # here, not at the top, for the CLI's start-up time: memfit.train.lora loads torch
     from memfit.train.lora import lora_problems
 
     add(lora_problems(cfg))
@@ -295,8 +296,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
             "give one of them"
         )
     problems.extend(_optimizer_problems(cfg.optimizer))
-    from memfit.train.runfolder import folder_problems
-
     # rank 0 takes the folder's lock: the other ranks must not take it for another run's
     problems.extend(
         folder_problems(
@@ -313,6 +312,7 @@ def _optimizer_problems(name: str) -> list[str]:
     optimizer = OPTIMIZER_TABLE.get(name)
     if optimizer is None or optimizer.needs is None:
         return []
+    # here, not at the top, for the CLI's start-up time: memfit.train.quantization loads torch
     from memfit.train.quantization import package_problem
 
     problem = package_problem(optimizer.needs, f"--optimizer {name}")
@@ -321,10 +321,10 @@ def _optimizer_problems(name: str) -> list[str]:
 
 def _distributed_problems(cfg: TrainConfig) -> list[str]:
     """What cannot run with the ranks launched and the sharding asked for, before anything
-    starts (DeepSpeed on the CPU, a plan for 4 ranks in 1 process, ...). A --world-size or
-    --sharding that is no value at all is the job's problem (:meth:`Job.problems`)."""
-    from memfit.runtime import launched_world_size
-
+    starts (DeepSpeed on the CPU, a plan for 4 ranks in 1 process, ...): the environment's part.
+    A --world-size or --sharding that is no value at all is the job's problem
+    (:meth:`Job.problems`), a sharding that does not combine with the other levers the levers'
+    (:func:`_run_jobs`)."""
     problems: list[str] = []
     launched = launched_world_size()
     wanted = cfg.world_size
@@ -341,12 +341,11 @@ def _distributed_problems(cfg: TrainConfig) -> list[str]:
                 "agree (or leave --world-size out)"
             )
     if cfg.deepspeed is not None:
+        # here, not at the top, for the CLI's start-up time: memfit.train.zero loads torch
         from memfit.train.zero import config_problems as deepspeed_problems
 
         problems.extend(deepspeed_problems(cfg.deepspeed, cfg.sharding, cfg.precision))
     if cfg.sharding in DEEPSPEED_SCHEMES or cfg.deepspeed is not None:
-        from memfit.extras import problems as missing_packages
-
         scheme = cfg.sharding if cfg.sharding in DEEPSPEED_SCHEMES else "zero1|zero2|zero3"
         problems.extend(missing_packages([("deepspeed", f"--sharding {scheme}")]))
         if launched == 1:
@@ -354,32 +353,17 @@ def _distributed_problems(cfg: TrainConfig) -> list[str]:
                 f"--sharding: {scheme} (DeepSpeed ZeRO) shards over several ranks; launch them: "
                 "torchrun --nproc_per_node N -m memfit train … (or use --sharding none)"
             )
-        if cfg.task == "sentence-embedding":
-            problems.append(
-                "--sharding: DeepSpeed ZeRO is built for classification and causal-lm; "
-                "sentence-embedding runs with --sharding none"
-            )
-        if cfg.optimizer not in ("adamw", "sgd"):
-            # DeepSpeed steps the optimizer on flat 1-D partitions: Adafactor's factored moments
-            # and bitsandbytes' quantized state would not be those of one process
-            problems.append(
-                f"--optimizer {cfg.optimizer}: with DeepSpeed ZeRO memfit train runs adamw or "
-                "sgd (ZeRO steps flat partitions, which factored or quantized optimizer state "
-                "does not survive)"
-            )
-        if cfg.lora_rank or cfg.quantization not in (None, "none"):
-            problems.append(
-                "--sharding: DeepSpeed ZeRO with --lora-rank/--quantization is not supported; "
-                "use --sharding none"
-            )
-    if cfg.sharding == "fsdp" and cfg.task == "sentence-embedding":
-        problems.append(
-            "--sharding: fsdp is built for classification and causal-lm; sentence-embedding runs "
-            "with --sharding none"
-        )
-    if cfg.sharding == "fsdp" and cfg.lora_rank:
-        problems.append("--sharding: fsdp with --lora-rank is not supported; use --sharding none")
     return problems
+
+
+def _run_jobs(cfg: TrainConfig) -> list[Job]:
+    """The jobs whose levers' run problems (:meth:`Job.problems` with ``run``) hold for ``cfg``:
+    a --deepspeed file runs DeepSpeed ZeRO whatever --sharding says (its stage is the run's
+    sharding), so the table's ZeRO rows, which name no stage, hold for it too; first, as the
+    DeepSpeed checks come before the FSDP ones."""
+    if cfg.deepspeed is not None and cfg.sharding not in DEEPSPEED_SCHEMES:
+        return [dataclasses.replace(cfg, sharding=DEEPSPEED_SCHEMES[0]), cfg]
+    return [cfg]
 
 
 def _whole(value: object) -> bool:
@@ -388,7 +372,8 @@ def _whole(value: object) -> bool:
 
 
 def _cuda_available() -> bool:
-    # torch is imported here, not at the top: the CLI builds its options from TrainConfig first
+    # the CLI builds its options from TrainConfig first: torch is imported here, not at the top,
+    # for its start-up time
     import torch
 
     return bool(torch.cuda.is_available())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from rich import progress as rich
+
 
 def describe(event: dict[str, Any]) -> str:
     """A guard event (oom, backoff, grow) in one line for the terminal."""
@@ -50,13 +52,11 @@ class Progress:
         self.quiet = quiet
         self._bar: Any = None
         if sys.stderr.isatty() and not quiet:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._bar = Progress(
-                TextColumn("step {task.completed}/{task.total}"),
-                BarColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
+            self._bar = rich.Progress(
+                rich.TextColumn("step {task.completed}/{task.total}"),
+                rich.BarColumn(),
+                rich.TextColumn("{task.fields[info]}"),
+                rich.TimeRemainingColumn(),
                 transient=False,
             )
             self._bar.start()

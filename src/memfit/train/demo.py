@@ -21,7 +21,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memfit.extras import require
+from memfit.train.recipes.sentence_embedding import SentenceEmbeddingRecipe
 
 # (Spanish infinitive, English verb): each request is one of these done to one object
 VERBS = [
@@ -123,10 +126,6 @@ TRAIN_KNOBS: dict[str, Any] = {
 def held_out_metrics(model: str, eval_file: Path) -> dict[str, float]:
     """The eval metrics of ``model`` on ``eval_file``, computed by the recipe's eval code (what
     ``memfit train`` reports after training): the demo's "before"."""
-    import torch
-
-    from memfit.train.recipes.sentence_embedding import SentenceEmbeddingRecipe
-
     recipe = SentenceEmbeddingRecipe(model, max_seq_len=int(TRAIN_KNOBS["max_seq_len"]))
     rows = recipe.read(eval_file, flag="--eval-file")
     recipe.build(rows)

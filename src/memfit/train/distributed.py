@@ -37,10 +37,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.guard.guard import PeerOutOfMemory
 from memfit.guard.sync import any_flag, reduce_ints, sum_gradients
 from memfit.runtime import launched_rank
+from memfit.train.peers import rank_timeout
 
 
 def shard_rows(
@@ -70,8 +72,6 @@ def shard_rows(
 def outside_modes() -> Iterator[None]:
     """Run without the active dispatch modes (the CPU memory cap): for object collectives that
     pickle into temporary tensors, which are no part of the training step's memory."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():
         yield
 
@@ -214,8 +214,6 @@ def init_ranks(device_type: str, *, timeout_minutes: float | None = None) -> Ran
     rank among all hosts' processes, ``LOCAL_RANK`` this host's GPU. A script that started the
     process group itself keeps it, with the timeout it gave it: memfit joins it and leaves it up
     (the flags' own group is memfit's)."""
-    from memfit.train.peers import rank_timeout
-
     # a bad MEMFIT_RANK_TIMEOUT is refused before any rank waits for another
     timeout = (
         rank_timeout() if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)

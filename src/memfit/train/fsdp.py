@@ -1,7 +1,7 @@
 """``--sharding fsdp``: PyTorch FSDP2 under the guard (parameters, gradients, optimizer state sharded).
 
 Every module whose class the model names in ``_no_split_modules`` (BertLayer, GPT2Block, …; see
-:func:`memfit.estimate.trace.fsdp_blocks`, which the estimator uses too) is wrapped with :func:`torch.distributed.fsdp.fully_shard`, then the root, as accelerate's FSDP2 path
+:func:`memfit.estimate.blocks.fsdp_blocks`, which the estimator uses too) is wrapped with :func:`torch.distributed.fsdp.fully_shard`, then the root, as accelerate's FSDP2 path
 and transformers do. (accelerate's FSDP plugin itself only switches on with GPUs: on the CPU its
 ``Accelerator`` falls back to DDP, so memfit calls ``fully_shard`` directly, on both.)
 
@@ -29,10 +29,12 @@ import torch
 from torch import nn
 
 from memfit.errors import UsageError
+from memfit.estimate.blocks import fsdp_blocks
 
 
 def _comm_classes(ranks: Any) -> tuple[Any, Any]:
     try:
+        # optional: FSDP2's custom collectives, in torch ≥ 2.8 only
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
             DefaultAllGather,
             DefaultReduceScatter,
@@ -98,6 +100,7 @@ class ShardedModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on the CPU, on every rank (a collective)."""
+        # start-up time: torch's distributed checkpointing loads only for --sharding fsdp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -115,6 +118,7 @@ class ShardedModel:
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state for the whole model (a collective), for a checkpoint."""
+        # start-up time: torch's distributed checkpointing loads only for --sharding fsdp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
@@ -130,6 +134,7 @@ class ShardedModel:
         optimizer_state: dict[str, Any],
     ) -> None:
         """Load whole-model weights and optimizer state into the shards (every rank)."""
+        # start-up time: torch's distributed checkpointing loads only for --sharding fsdp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -153,8 +158,13 @@ def shard_model(
     model: nn.Module, ranks: Any, *, precision: str, device: torch.device
 ) -> ShardedModel:
     """Wrap ``model`` with FSDP2 in place: each transformer block, then the root."""
+    # optional: FSDP2's public API is in torch ≥ 2.6 only (memfit takes torch ≥ 2.4)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (  # optional: FSDP2 (torch ≥ 2.6)
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     if ranks is None:
         raise UsageError(
@@ -168,8 +178,6 @@ def shard_model(
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
-    from memfit.estimate.trace import fsdp_blocks
-
     # the same units the estimator prices for --sharding fsdp
     blocks = [m for m in fsdp_blocks(model) if m is not model]
     if not blocks:

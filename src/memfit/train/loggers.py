@@ -120,6 +120,7 @@ class TensorBoardReporter:
     """``torch.utils.tensorboard.SummaryWriter`` into ``folder``."""
 
     def __init__(self, folder: Path, *, purge_step: int | None = None) -> None:
+        # optional: tensorboard (memfit[tensorboard])
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: a resumed run redoes the steps after its checkpoint; TensorBoard hides what
@@ -152,7 +153,7 @@ class WandbReporter:
     """``wandb.init`` once, ``wandb.log`` per line (offline with ``WANDB_MODE=offline``)."""
 
     def __init__(self, folder: Path, config: dict[str, Any]) -> None:
-        import wandb
+        import wandb  # optional: memfit[wandb]
 
         self.wandb = wandb
         self.run = wandb.init(
@@ -213,6 +214,8 @@ def open_reporters(
         if name == "tensorboard":
             purge = None
             if config.get("resume"):
+                # the CLI's config reads this module: memfit.train.checkpoint (torch) loads here
+                # for its start-up time
                 from memfit.train.checkpoint import completed_steps
 
                 steps = completed_steps(out / "checkpoints")

@@ -14,17 +14,21 @@ import contextlib
 import dataclasses
 import math
 import os
+import random
 import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from memfit.data.batching import length_grouped_order
 from memfit.data.rows import Row
 from memfit.errors import NothingFitsError, TrainingStoppedError, UsageError
+from memfit.guard import StepTooLarge
+from memfit.guard.guard import PeerOutOfMemory
 from memfit.guard.oom import CatchOom
 from memfit.guard.policy import optimizer_stop
 from memfit.train import checkpoint as ck
@@ -43,7 +47,9 @@ from memfit.train.resume import (
     refuse_other_model,
     truncate_metrics,
 )
+from memfit.train.runfolder import save_model_folder
 from memfit.train.setup import RunSetup, next_cure, take, versions
+from memfit.units import format_bytes
 
 
 class TrainingRun(RunSetup):
@@ -212,8 +218,6 @@ class TrainingRun(RunSetup):
             "versions": versions(),
         }
         if self.main:
-            from memfit.train import runfolder
-
             runfolder.write_json(self.out / "run.json", self.run_json)
         self.note_short_last_step()
 
@@ -269,8 +273,6 @@ class TrainingRun(RunSetup):
             held = int(torch.cuda.memory_allocated(self.device))
         if held is None or held < limit:
             return
-        from memfit.units import format_bytes
-
         self.on_event(
             {"type": "stop", "step": self.step, "reason": "the memory cap is below what is held"}
         )
@@ -393,8 +395,6 @@ class TrainingRun(RunSetup):
         """One step's forward and backward under the guard (this rank's share of ``rows``); after
         micro-batch 1 fails, the next cure (gradient checkpointing), else stop with a checkpoint
         (exit 3). Returns the step's loss (this rank's part of it with several ranks)."""
-        from memfit.guard import StepTooLarge
-
         recipe, guard, ranks = self.recipe, self.guard, self.ranks
         total_units = recipe.units(rows) if recipe.splittable else len(rows)
         if ranks is not None:
@@ -718,8 +718,6 @@ class TrainingRun(RunSetup):
 
     def save_model(self, folder: Path) -> None:
         """The model folder (rank 0 writes it; under FSDP every rank gathers the weights)."""
-        from memfit.train.runfolder import save_model_folder
-
         weights = self.sharded.full_state_dict() if self.sharded is not None else None
         if self.main:
             save_model_folder(
@@ -759,8 +757,6 @@ class TrainingRun(RunSetup):
             "final_loss": self.loss_value,
             "eval_metrics": self.last_eval,
         }
-        from memfit.train import runfolder
-
         runfolder.write_json(self.out / "run.json", self.run_json)
 
     def close(self) -> TrainResult:
@@ -809,10 +805,6 @@ def better(value: float | None, best: float | None, *, greater: bool) -> bool:
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -824,10 +816,6 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def _set_rng_state(device: torch.device, state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -837,8 +825,6 @@ def _set_rng_state(device: torch.device, state: dict[str, Any]) -> None:
 
 def _peer_oom(caught: CatchOom) -> bool:
     """Whether ``caught`` is another rank's OOM, raised at a sync point inside a collective."""
-    from memfit.guard.guard import PeerOutOfMemory
-
     kind = caught.exception_type
     return kind is not None and issubclass(kind, PeerOutOfMemory)
 

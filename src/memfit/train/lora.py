@@ -19,15 +19,19 @@ what differs (loading, checkpoints, ``--merge-lora`` into an unquantized copy of
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import transformers
+from packaging.version import InvalidVersion, Version
 from torch import nn
 
 from memfit.errors import UsageError
+from memfit.estimate.workload import StepSpec, lora_config, with_lora
 from memfit.extras import require
 from memfit.train.quantization import (
     holds_quantized_weights,
@@ -64,12 +68,9 @@ def peft_integration_problem() -> str | None:
     adapter folder back), and transformers raises a bare ValueError there when peft is older than
     its ``MIN_PEFT_VERSION`` (transformers 5.24 wants peft 0.22): said up front instead.
     """
-    import importlib.metadata
-
-    from packaging.version import InvalidVersion, Version
-
     try:
         installed = importlib.metadata.version("peft")
+        # optional: a transformers without the constant has no such check
         from transformers.integrations.peft import MIN_PEFT_VERSION
     except (importlib.metadata.PackageNotFoundError, ImportError):
         return None  # no peft: the extra's own line; no such constant: no such check
@@ -79,8 +80,6 @@ def peft_integration_problem() -> str | None:
         return None
     if not too_old:
         return None
-    import transformers
-
     return (
         f"--lora-rank: LoRA on a sentence-transformers model goes through transformers' PEFT "
         f"integration, and transformers {transformers.__version__} accepts peft "
@@ -103,8 +102,6 @@ def add_lora(recipe: Any, cfg: Any) -> None:
     """Put LoRA adapters of rank ``cfg.lora_rank`` on the recipe's model (before it moves to its
     device): the base is frozen, only the adapters (and a classifier's head) train."""
     require("peft", "--lora-rank")
-    from memfit.estimate.workload import StepSpec, lora_config, with_lora
-
     targets = tuple(cfg.lora_target_modules or ())
     with _quiet_peft():
         if cfg.task == "sentence-embedding":
@@ -158,7 +155,7 @@ def is_lora(model: Any) -> bool:
     if hasattr(model, "merge_and_unload"):
         return True
     try:
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # optional: peft (memfit[lora])
     except ImportError:
         return False
     return isinstance(model, nn.Module) and any(isinstance(m, LoraLayer) for m in model.modules())
@@ -193,7 +190,7 @@ def save_lora(recipe: Any, folder: Path, *, merge: bool) -> None:
 def _merge_injected(model: nn.Module) -> None:
     """Merge adapters that were injected in place (transformers' and sentence-transformers'
     ``add_adapter``) and put the plain layers back, so the model saves as a full model."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # optional: peft (memfit[lora])
 
     for path, module in list(model.named_modules()):
         if not isinstance(module, LoraLayer):

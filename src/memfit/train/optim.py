@@ -7,8 +7,11 @@ import warnings
 from typing import Any
 
 import torch
+from transformers import get_scheduler
+from transformers.optimization import Adafactor
 
 from memfit.train.config import TrainConfig
+from memfit.train.quantization import import_quietly
 
 # --optimizer names and bitsandbytes' classes: AdamW with 8-bit state (block-wise quantized), and
 # the paged ones, whose state lives in CUDA unified memory that the driver pages out to the host
@@ -35,14 +38,10 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: f
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
     if name == "adafactor":
-        from transformers.optimization import Adafactor
-
         return Adafactor(
             groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
         )
     if name in BITSANDBYTES_OPTIMIZERS:
-        from memfit.train.quantization import import_quietly
-
         bnb = import_quietly("bitsandbytes")
         # bitsandbytes warns at the first step on the CPU that it does not page there; the run
         # says so once (memfit.train.setup)
@@ -53,8 +52,6 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: f
 
 def make_scheduler(cfg: TrainConfig, optimizer: Any, total_steps: int) -> Any:
     """``--lr-scheduler`` over ``total_steps``, warming up for ``--warmup-ratio`` of them."""
-    from transformers import get_scheduler
-
     return get_scheduler(
         cfg.lr_scheduler,
         optimizer,

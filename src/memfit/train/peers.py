@@ -24,12 +24,14 @@ import datetime
 import os
 import re
 import secrets
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, UsageError
+from memfit.runtime import launched_rank, launched_world_size
 
 RANK_TIMEOUT_ENV = "MEMFIT_RANK_TIMEOUT"
 DEFAULT_RANK_TIMEOUT = datetime.timedelta(minutes=30)
@@ -100,9 +102,8 @@ _LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 def lost_contact(exc: BaseException, output_dir: Path) -> RankLostError | None:
     """``exc`` as a :class:`RankLostError` when it says that another rank is gone or silent
     (a collective's error, several ranks), else None (then it is something else: re-raised)."""
+    # start-up time: torch loads only when a run failed (memfit train's CLI reads this module)
     import torch.distributed as dist
-
-    from memfit.runtime import launched_rank, launched_world_size
 
     # joined, or launched as several ranks (joining itself can time out: a rank that never came)
     joined = dist.is_available() and dist.is_initialized()
@@ -147,6 +148,7 @@ def _reason(text: str, phrase: str | None) -> str:
 
 def _next_step(output_dir: Path) -> str:
     """Where the run can go on from: the newest checkpoint, and the command."""
+    # start-up time: memfit.train.checkpoint loads torch (memfit train's CLI reads this module)
     from memfit.train import checkpoint as ck
 
     steps = ck.completed_steps(output_dir / "checkpoints")
@@ -184,8 +186,6 @@ def check_shared_folder(ranks: Any, out: Path) -> None:
         if seen or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    import socket
-
     views = ranks.gather_object((seen, socket.gethostname()))
     if ranks.is_main:
         with contextlib.suppress(OSError):

@@ -3,7 +3,8 @@ holds quantized (``--quantization nf4|fp4|int8``, ``--double-quant``), and bitsa
 optimizers (``--optimizer adamw-8bit|paged-adamw-8bit|paged-adamw-32bit``).
 
 The base loads through transformers' ``BitsAndBytesConfig`` (4-bit NF4/FP4 blocks, their scales
-quantized again with ``--double-quant``; or LLM.int8()), straight onto the run's device (CUDA,
+quantized again with ``--double-quant``; or LLM.int8(): the settings the estimate traces, from
+:meth:`memfit.levers.quantization.Quantization.bnb_settings`), straight onto the run's device (CUDA,
 else the CPU: bitsandbytes 0.50 runs 4-bit and 8-bit layers there). The matmuls dequantize to
 the compute dtype, which is ``--precision`` (bf16/fp16; fp32 when not given, and always on the CPU, where
 memfit trains in fp32 without autocast, as every CPU run does); the layers left unquantized (the
@@ -44,10 +45,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import BitsAndBytesConfig
 
 from memfit.errors import UsageError
 from memfit.estimate.workload import PEFT_HEAD_NAMES, lora_head_modules
-from memfit.job import FOUR_BIT, QUANTIZATIONS
+from memfit.levers.quantization import LEVER as QUANTIZATION
+from memfit.levers.quantization import QUANTIZATIONS
+from memfit.train.recipes.loading import load_pretrained, model_options
 
 # the extra that installs a package memfit needs for a flag
 INSTALL = {"bitsandbytes": "pip install 'memfit[quantization]'"}
@@ -117,24 +121,15 @@ def compute_dtype(cfg: Any) -> torch.dtype:
 
 def load_options(cfg: Any, device: torch.device) -> dict[str, Any]:
     """``from_pretrained``'s keywords for the quantized base of ``cfg`` on ``device``."""
-    from transformers import BitsAndBytesConfig
-
+    assert cfg.quantization in QUANTIZATIONS and quantized(cfg), cfg.quantization
     dtype = compute_dtype(cfg)
     # transformers keeps a causal LM's output head unquantized by itself; a classifier's head is
     # trained whole (it starts random), so it must stay unquantized too (checked in prepare)
     skip = list(CLASSIFIER_HEADS) if cfg.task == "classification" else None
-    if cfg.quantization == "int8":
-        # LLM.int8(): 8-bit weights, outlier features in 16 bits
-        settings = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
-    else:
-        assert cfg.quantization in FOUR_BIT
-        settings = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=cfg.quantization,
-            bnb_4bit_use_double_quant=bool(cfg.double_quant),
-            bnb_4bit_compute_dtype=dtype,
-            llm_int8_skip_modules=skip,
-        )
+    # the settings the estimate traces the quantized model with (memfit.estimate.quantized)
+    settings = BitsAndBytesConfig(
+        **QUANTIZATION.bnb_settings(QUANTIZATION.values(cfg), dtype, skip)
+    )
     if device.type == "cuda":
         place: Any = device.index if device.index is not None else torch.cuda.current_device()
     else:
@@ -150,8 +145,6 @@ def quantized_loading(cfg: Any, device: torch.device) -> Iterator[None]:
     if not quantized(cfg):
         yield
         return
-    from memfit.train.recipes.loading import model_options
-
     import_quietly("bitsandbytes")
     with model_options(load_options(cfg, device)):
         yield
@@ -160,7 +153,7 @@ def quantized_loading(cfg: Any, device: torch.device) -> Iterator[None]:
 def prepare(model: nn.Module, cfg: Any) -> nn.Module:
     """peft's preparation of a quantized model for training: the base frozen, its half-precision
     leftovers in fp32, gradient checkpointing (non-reentrant, as memfit's own) if asked."""
-    from peft import prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training  # optional: memfit[quantization]
 
     if cfg.task == "classification":
         held = [
@@ -231,9 +224,7 @@ def load_trained_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
 def merged_unquantized(model: Any, base: str) -> nn.Module:
     """The adapters of the peft model ``model`` merged into an unquantized copy of the base in
     folder (or Hub id) ``base``, on the CPU (see the module docstring: the --merge-lora decision)."""
-    from peft import PeftModel
-
-    from memfit.train.recipes.loading import load_pretrained
+    from peft import PeftModel  # optional: memfit[quantization]
 
     inner = model.get_base_model()
     # the run's config (a classifier's labels included), without what made it load quantized

@@ -12,6 +12,8 @@ finished run has nothing to resume (unless it is asked to train longer, or its m
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 import os
 import re
@@ -20,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.guard import is_oom
+from memfit.train import checkpoint as ck
+from memfit.train import runfolder
 from memfit.train.config import TrainConfig
+from memfit.train.console import say
 
 # what decides which samples each step holds, and the flag that sets it
 STEP_FLAGS = {
@@ -40,8 +46,6 @@ def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
     :func:`refuse_another_finished`); without a recorded signature it is refused, saying that.
     A finished run whose model/ is gone is None too: it goes on from its newest checkpoint and
     writes it."""
-    from memfit.train import runfolder
-
     out = Path(cfg.output_dir)
     done = runfolder.finished(out) if cfg.resume else None
     if done is None:
@@ -76,9 +80,6 @@ def _model_to_check(cfg: TrainConfig, out: Path) -> bool:
     """Whether the finished run in ``out`` was started with a --model that this one may not be:
     spelled otherwise, and not the same folder. A longer run that goes on from checkpoints is
     not: each checkpoint's recorded model is checked against --model's when it is loaded."""
-    from memfit.train import checkpoint as ck
-    from memfit.train import runfolder
-
     config = runfolder.run_config(out) or {}
     saved = config.get("model")
     if not isinstance(saved, str) or same_model(saved, cfg.model, _recorded_path(out)):
@@ -94,8 +95,6 @@ def finished_model(cfg: TrainConfig) -> dict[str, Any] | None:
     out = Path(cfg.output_dir)
     if not cfg.resume or not _model_to_check(cfg, out):
         return None
-    from memfit.train import runfolder
-
     return recorded_model(out) if runfolder.finished(out) is not None else None
 
 
@@ -103,8 +102,6 @@ def recorded_model(out: Path) -> dict[str, Any] | None:
     """The signature of the model the run in ``out`` trained (:func:`memfit.train.checkpoint.
     model_signature`): run.json's, else its newest checkpoint's that records one, else None (a
     run of a memfit that recorded none)."""
-    from memfit.train import checkpoint as ck
-
     try:
         run = json.loads((out / "run.json").read_text(encoding="utf-8"))
         saved = run["resolved"]["model_signature"]
@@ -126,8 +123,6 @@ def refuse_another_finished(cfg: TrainConfig, saved: dict[str, Any], now: dict[s
     """A UsageError if --model (its signature ``now``, loaded) is not the model the finished run
     in the folder trained (``saved``): a finished run is not loaded (to go on from its
     checkpoints is the longer run's way), so its model/ is the other model's."""
-    from memfit.train import runfolder
-
     detail = other_model(saved, now)
     if detail is None:
         return
@@ -176,9 +171,6 @@ def same_model(saved: str, now: str, recorded_path: str | None = None) -> bool:
 
 def _say_republish(cfg: TrainConfig, out: Path, steps: int) -> None:
     """The line for a finished run whose model/ is gone: what --resume does to write it again."""
-    from memfit.train import checkpoint as ck
-    from memfit.train.console import say
-
     if cfg.quiet:
         return
     saved = ck.completed_steps(out / "checkpoints")
@@ -200,9 +192,6 @@ def step_settings(
     """The settings a checkpoint records so that a resume can check them: the flags that decide
     which samples each step holds, the number of training rows and a digest of their lengths in
     tokens (a changed file almost always changes one)."""
-    import array
-    import hashlib
-
     digest = (
         hashlib.sha256(array.array("q", lengths).tobytes()).hexdigest()[:16]
         if lengths is not None
@@ -266,9 +255,6 @@ def pick_checkpoint(
     changed settings, another model) and an out-of-memory error are not a damaged checkpoint:
     they propagate.
     """
-    from memfit.guard import is_oom
-    from memfit.train import checkpoint as ck
-
     for number in reversed(ck.completed_steps(folder)):
         path = folder / f"step-{number}"
         problem = ck.verify(path)

@@ -23,25 +23,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+from transformers.utils import logging as hf_logging
+
 from memfit.errors import NothingFitsError, UsageError
+from memfit.guard import memory_cap
+from memfit.guard.oom import first_line, is_oom, oom_in
+from memfit.levers.optimizer import OPTIMIZER_TABLE
+from memfit.runtime import quiet_deepspeed
+from memfit.train import checkpoint as ck
 from memfit.train.config import TrainConfig, TrainResult
 from memfit.train.console import say
 from memfit.train.loop import StopSignal, TrainingRun
-from memfit.train.peers import check_shared_folder
+from memfit.train.peers import check_shared_folder, lost_contact
 from memfit.train.resume import finished_model, finished_run, refuse_another_finished
+from memfit.train.runfolder import RunLock
 from memfit.train.setup import checked_inputs, take
 
 
 def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
     """Fine-tune under the guard. ``memfit.train(task=..., model=..., train_file=..., output_dir=...)``."""
-    from memfit.runtime import quiet_deepspeed
-
     quiet_deepspeed()
     cfg = config or TrainConfig(**knobs)
     if config is not None and knobs:
         cfg = dataclasses.replace(config, **knobs)
-    from memfit.train.runfolder import RunLock
-
     # the output folder's lock, taken once the model is loaded, held until the run ends
     lock = RunLock(Path(cfg.output_dir))
     # the phase the run is in, for an out-of-memory error outside a step to say where it was
@@ -54,9 +58,6 @@ def train(config: TrainConfig | None = None, /, **knobs: Any) -> TrainResult:
             raise
         raise UsageError(_disk_message(cfg, exc)) from None
     except (RuntimeError, MemoryError) as exc:
-        from memfit.guard.oom import is_oom
-        from memfit.train.peers import lost_contact
-
         # another rank died, was killed or hangs: one line and --resume, not a traceback
         lost = lost_contact(exc, Path(cfg.output_dir)) if isinstance(exc, RuntimeError) else None
         if lost is not None:
@@ -92,8 +93,6 @@ def _in_run_folders(cfg: TrainConfig, exc: OSError) -> bool:
 
 def _disk_message(cfg: TrainConfig, exc: OSError) -> str:
     """One line for a write the disk refused: which flag's folder, why, and what is kept."""
-    from memfit.train import checkpoint as ck
-
     out = Path(cfg.output_dir)
     where = Path(str(exc.filename)) if exc.filename else out
     flag = "--output-dir"
@@ -125,10 +124,6 @@ def _oom_message(cfg: TrainConfig, exc: BaseException, phase: dict[str, str]) ->
     memory ran out (the host's RAM: Python's MemoryError; else the device's, or --memory-cap once
     it counts: ``phase["capped"]``), the cures this run does not use already, and what is
     kept."""
-    from memfit.guard.oom import first_line, oom_in
-    from memfit.job import OPTIMIZER_TABLE
-    from memfit.train import checkpoint as ck
-
     out = Path(cfg.output_dir)
     steps = ck.completed_steps(out / "checkpoints")
     kept = (
@@ -170,10 +165,6 @@ def _train(
     cfg: TrainConfig, lock: Any, closers: contextlib.ExitStack, phase: dict[str, str]
 ) -> TrainResult:
     """The run, phase by phase (each one a method of :class:`~memfit.train.loop.TrainingRun`)."""
-    from transformers.utils import logging as hf_logging
-
-    from memfit.guard import memory_cap
-
     hf_logging.disable_progress_bar()  # the run has its own progress line
 
     # every problem with the flags and every bad row of both files, at once, before anything is

@@ -347,6 +347,8 @@ def save_model_folder(
     training goes on with the adapters) into a plain folder (``memfit.train.lora.save_lora``).
     ``state_dict``: the whole model's weights gathered from FSDP shards.
     """
+    # memfit.train.config, which the CLI builds its options from, imports this module: for the
+    # CLI's start-up time, memfit.train.lora (torch) loads here
     from memfit.train.lora import is_lora, save_lora
 
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")

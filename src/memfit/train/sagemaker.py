@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UsageError
+from memfit.units import parse_size
 
 CHANNELS = {
     "SM_CHANNEL_TRAIN": "train_file",
@@ -157,8 +158,6 @@ def _coerce(value: Any, annotation: str, key: str) -> Any:
             return None
         raise ValueError("needs a value")
     if key in SIZES:
-        from memfit.units import parse_size
-
         try:
             return parse_size(value, name=key)
         except UsageError as exc:

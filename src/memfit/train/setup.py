@@ -14,25 +14,35 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
+import memfit
 from memfit.data.rows import Row, RowTable, all_lengths, write_skipped
 from memfit.errors import NothingFitsError, UsageError
+from memfit.guard import Guard
 from memfit.job import round_seq_len
-from memfit.runtime import JsonlLog, NoLog, autocast, resolve_device
+from memfit.levers.quantization import LEVER as QUANTIZATION
+from memfit.plan import plan
+from memfit.runtime import JsonlLog, NoLog, autocast, launched_world_size, resolve_device
 from memfit.train import checkpoint as ck
+from memfit.train import runfolder
 from memfit.train.config import TrainConfig, config_problems
 from memfit.train.console import describe, say
+from memfit.train.distributed import init_ranks
+from memfit.train.fsdp import shard_model
+from memfit.train.loggers import open_reporters
+from memfit.train.lora import add_lora
 from memfit.train.optim import make_optimizer, make_scheduler
 from memfit.train.quantization import prepare as prepare_quantized
 from memfit.train.quantization import quantized, quantized_loading
+from memfit.train.recipes import RECIPES, recipe_for
 from memfit.train.resume import step_settings
+from memfit.train.zero import build_config, stage_of, start_engine
 
 
 def checked_inputs(cfg: TrainConfig) -> tuple[Any, Sequence[Row], Sequence[Row] | None]:
     """The recipe and the training and eval rows; every problem with the flags and every bad row
     of both files at once (a UsageError), before anything is loaded or written."""
-    from memfit.train.recipes import RECIPES, recipe_for
-
     problems = config_problems(cfg)
     recipe: Any = None
     try:
@@ -114,8 +124,6 @@ def plan_knobs(
     if budget is None:
         # the CPU without a budget: no plan; the guard backs off if the machine runs short
         return {"source": "default (no GPU and no --gpu-memory: the whole batch, guarded)"}
-    from memfit.plan import plan
-
     seq_len = cfg.max_seq_len or cfg.seq_len or (128 if cfg.task != "causal-lm" else 512)
     if longest:
         # a multiple of 8 (aligned shapes), never past the length the rows were cut to
@@ -123,8 +131,6 @@ def plan_knobs(
     plan_options: dict[str, Any] = {}
     if world > 1:
         plan_options["world_size"] = world
-    from memfit.train.zero import stage_of
-
     # a --deepspeed file's stage is the run's sharding (the plan prices it)
     stage = stage_of(cfg)
     sharding = f"zero{stage}" if stage is not None else cfg.sharding
@@ -137,11 +143,7 @@ def plan_knobs(
         plan_options["allow"] = ("lora",)
     if quantized(cfg):
         # QLoRA: the plan counts the run's own adapters on its quantized base weights
-        plan_options.update(
-            lora_rank=cfg.lora_rank,
-            quantization=cfg.quantization,
-            double_quant=bool(cfg.double_quant),
-        )
+        plan_options.update(lora_rank=cfg.lora_rank, **QUANTIZATION.values(cfg))
     try:
         result = plan(
             cfg.model,
@@ -197,10 +199,6 @@ def next_cure(model: torch.nn.Module, checkpointing: bool) -> str | None:
 
 def versions() -> dict[str, str]:
     """The versions run.json records."""
-    import transformers
-
-    import memfit
-
     out = {
         "memfit": memfit.__version__,
         "torch": torch.__version__,
@@ -208,7 +206,7 @@ def versions() -> dict[str, str]:
         "python": sys.version.split()[0],
     }
     with contextlib.suppress(ImportError):
-        import sentence_transformers
+        import sentence_transformers  # optional (memfit[sentence-transformers])
 
         out["sentence_transformers"] = sentence_transformers.__version__
     return out
@@ -250,9 +248,6 @@ class RunSetup:
                 f"--precision {cfg.precision} (--{cfg.precision}): mixed precision needs a CUDA "
                 "GPU; use fp32 on the CPU"
             )
-        from memfit.runtime import launched_world_size
-        from memfit.train.distributed import init_ranks
-
         if launched_world_size() > 1:
             # torchrun / accelerate launch started several ranks: join them (gloo on the CPU, NCCL
             # on GPUs); each rank then has its own GPU
@@ -277,8 +272,6 @@ class RunSetup:
             # frozen, its half-precision leftovers in fp32, then the adapters as for any LoRA run
             recipe.model = prepare_quantized(recipe.model, cfg)
         if cfg.lora_rank:
-            from memfit.train.lora import add_lora
-
             # the adapters the estimator counts (its own function picks the targets), alpha 2r,
             # dropout 0.1; a target name the model lacks is exit 2 here, before anything is written
             add_lora(recipe, cfg)
@@ -370,8 +363,6 @@ class RunSetup:
             # own backend (NCCL moves GPU tensors, gloo CPU ones)
             ranks.broadcast_parameters(self.model)
         if self.main:
-            from memfit.train import runfolder
-
             # the folder is made and locked (refused if another run holds it, or it is not
             # memfit's)
             self.lock.acquire(resume=cfg.resume)
@@ -395,13 +386,9 @@ class RunSetup:
             enable_checkpointing(model)
         model.train()
         if cfg.sharding == "fsdp":
-            from memfit.train.fsdp import shard_model
-
             # FSDP2 per transformer block, then the root; the optimizer is built on the shards
             self.sharded = shard_model(model, self.ranks, precision=self.precision, device=device)
         self.optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
-        from memfit.train.zero import stage_of
-
         stage = stage_of(cfg)
         if stage is not None:
             self.start_zero(stage)
@@ -426,8 +413,6 @@ class RunSetup:
 
     def start_zero(self, stage: int) -> None:
         """DeepSpeed's engine over the model and the optimizer (``--sharding zeroN``)."""
-        from memfit.train.zero import build_config, start_engine
-
         cfg, model = self.cfg, self.model
         config_of = model.config
         hidden = getattr(config_of, "hidden_size", None) or getattr(config_of, "n_embd", None)
@@ -454,8 +439,6 @@ class RunSetup:
         # closed when the run ends, however it ends (a stopped run leaves no file open)
         closers.callback(lambda: (self.metrics.close(), self.events.close()))
         if self.main:
-            from memfit.train.loggers import open_reporters
-
             # --report-to: the same lines to TensorBoard / W&B too (rank 0: the whole step's
             # figures)
             self.metrics, self.events = open_reporters(
@@ -479,8 +462,6 @@ class RunSetup:
     def make_guard(self) -> None:
         """The guard that runs each step as micro-batches, and the step settings a checkpoint
         records (what decides which samples each step holds: a resume must find them unchanged)."""
-        from memfit.guard import Guard
-
         ranks, sharded = self.ranks, self.sharded
         if ranks is not None:
             # what the sync points write into: allocated now, before any memory cap

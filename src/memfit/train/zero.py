@@ -38,12 +38,17 @@ import json
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from memfit.errors import UsageError
+from memfit.estimate.sharding import deepspeed_zero_config
+from memfit.extras import is_installed, missing_line
+from memfit.runtime import quiet_deepspeed
 
 # the collectives of deepspeed.comm's backend object (deepspeed/comm/torch.py TorchBackend) that
 # ZeRO uses in a training step; each is wrapped with a sync point
@@ -171,11 +176,10 @@ def deepspeed_verdict(path: str, sharding: str, precision: str | None) -> str | 
     naming the file and the field (None: it passes, or DeepSpeed is not installed, which
     :mod:`memfit.extras` reports)."""
     try:
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         from deepspeed.runtime.config import DeepSpeedConfig
     except ImportError:
         return None
-    from types import SimpleNamespace
-
     if precision is None:
         # to be planned: the 16-bit mode the file turns on (checked against the plan's later)
         enabled = _enabled_modes(read_config(path))
@@ -265,8 +269,6 @@ def build_config(
     (:func:`memfit.estimate.sharding.deepspeed_zero_config`). With one: the file, its ``"auto"``
     values filled from the same section, as accelerate fills them.
     """
-    from memfit.estimate.sharding import deepspeed_zero_config
-
     notes: list[str] = []
     assumed = deepspeed_zero_config(f"zero{stage}", hidden_size)
     if cfg.deepspeed:
@@ -327,6 +329,7 @@ class CommGuard:
         self.ranks = ranks
         self.armed = False
         self._originals: dict[str, Callable[..., Any]] = {}
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         from deepspeed.comm import comm as ds_comm
 
         backend = ds_comm.cdb
@@ -431,6 +434,7 @@ class ZeroModel:
             # reductions still running on DeepSpeed's side stream (overlap_comm) end first
             torch.cuda.synchronize()
         if self.stage in (1, 2):
+            # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
             from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
             opt.zero_grad(set_to_none=True)
@@ -472,6 +476,7 @@ class ZeroModel:
         """ZeRO-3 after an OOM: every parameter the failed attempt gathered (or was gathering)
         goes back to its partition, and the prefetch trace, which holds a partial forward, is
         recorded anew by the re-run."""
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         coordinator = self.optimizer.parameter_offload.get_param_coordinator()
@@ -531,6 +536,7 @@ class ZeroModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's fp32 weights on the CPU, on every rank (collectives)."""
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         from deepspeed.utils import safe_get_full_fp32_param
 
         with self.comm.disarmed():
@@ -554,6 +560,7 @@ class ZeroModel:
 
     def _frozen(self, param: nn.Parameter) -> torch.Tensor:
         if self.stage == 3 and hasattr(param, "ds_id"):
+            # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
             from deepspeed import zero
 
             with zero.GatheredParameters([param]):
@@ -563,6 +570,7 @@ class ZeroModel:
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state per parameter, whole, in torch's ``state_dict`` layout (the
         parameters numbered in group order, as ``--sharding none`` saves them)."""
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         from deepspeed.utils import safe_get_full_optimizer_state
 
         inner = self.optimizer.optimizer
@@ -600,6 +608,7 @@ class ZeroModel:
         optimizer_state: dict[str, Any],
     ) -> None:
         """Whole-model weights and optimizer state into this rank's partitions (every rank)."""
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         trained = self._trained()
@@ -701,8 +710,6 @@ def start_engine(
             "--nproc_per_node N -m memfit train … (or use --sharding none)"
         )
     deepspeed = _import_deepspeed()
-    import torch.distributed as dist
-
     if not torch.cuda.is_available():
         # on CPU ranks DeepSpeed would compile a shared-memory all-reduce (a C++ extension,
         # built with ninja at the first start); memfit's ranks talk over gloo
@@ -722,13 +729,10 @@ def start_engine(
 
 
 def _import_deepspeed() -> Any:
-    from memfit.extras import is_installed, missing_line
-
     if not is_installed("deepspeed"):
         raise UsageError(missing_line("deepspeed", "--sharding zero1|zero2|zero3"))
-    from memfit.runtime import quiet_deepspeed
-
     quiet_deepspeed()
     with contextlib.redirect_stdout(io.StringIO()):
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
         import deepspeed
     return deepspeed

@@ -158,3 +158,23 @@ def test_config_json_that_is_not_one(tmp_path) -> None:
     bad.write_text('{"model_type": "bert",\n  "hidden_size": 64,,\n}')
     with pytest.raises(UsageError, match=r"config.json.*line 2"):
         estimate(str(bad), task="classification", batch_size=2, seq_len=8, device="cpu")
+
+
+def test_the_keywords_are_the_jobs_knobs() -> None:
+    """estimate()'s keywords build one Job: a knob None is not given (the step's default), a
+    list knob takes "a,b" as memfit train does, and a keyword that is no knob of a step is a
+    TypeError naming it."""
+    from memfit.estimate.api import step_job, validate
+
+    job = step_job(
+        "m", task="classification", batch_size=4, seq_len=32, precision=None,
+        lora_rank=8, lora_target_modules="mlp, attention", effective_batch_size=None,
+    )  # fmt: skip
+    spec, problems = validate(job)
+    assert problems == []
+    assert (spec.precision, spec.attn_implementation, spec.device) == ("fp32", "sdpa", "cuda")
+    assert spec.lora_rank == 8 and spec.lora_targets == ("mlp", "attention")
+    args = dict(task="classification", batch_size=2, seq_len=8)
+    for name in ("micro_batch_size", "effective_batch_size", "nope"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            estimate("bert-base-uncased", **args, **{name: 2})

@@ -141,3 +141,26 @@ def test_an_unwritable_cache_is_no_error(
     traces.clear_cache()
     assert api.estimate(tiny_gpt2, **KNOBS).total_bytes > 0
     traces.clear_cache()
+
+
+@pytest.mark.parametrize("name", ["step.py", "quantization.py", "knobs.py"])
+def test_the_trace_key_changes_with_the_code_outside_the_estimator_that_shapes_a_step(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The traced loss is memfit.step's and the bitsandbytes settings the quantization lever's:
+    an edit there must not leave stale traces behind."""
+
+    cache._source_digest.cache_clear()
+    before = cache._source_digest()
+    read = Path.read_bytes
+
+    def edited(path: Path) -> bytes:
+        return read(path) + (b"# edited" if path.name == name else b"")
+
+    monkeypatch.setattr(Path, "read_bytes", edited)
+    cache._source_digest.cache_clear()
+    try:
+        assert cache._source_digest() != before
+    finally:
+        monkeypatch.undo()
+        cache._source_digest.cache_clear()

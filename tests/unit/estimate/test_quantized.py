@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.estimate import quantized, traces, workload
+from memfit.estimate import quantized, quantized_count, traces, workload
 from memfit.estimate.quantized import Linear4bitModel, Linear8bitModel, PagedAdamStateModel
-from memfit.estimate.trace import CATEGORIES
+from memfit.estimate.step_trace import CATEGORIES
 from memfit.estimate.workload import StepSpec
 
 
@@ -339,8 +339,8 @@ def test_summary_written_out_to_depth_equals_the_whole_model() -> None:
     spec = StepSpec(
         task="causal-lm", precision="bf16", lora_rank=4, quantization="nf4", double_quant=True
     )
-    summary = quantized.quantization_summary(config, spec)
-    parameters, stored, held, kept = quantized._count(config, spec)
+    summary = quantized_count.quantization_summary(config, spec)
+    parameters, stored, held, kept = quantized_count.count_quantized(config, spec)
     assert (summary.quantized_parameters, summary.stored_elements) == (parameters, stored)
     assert (summary.quantized_bytes, summary.kept_modules) == (held, kept)
     assert summary.details()["compute_dtype"] == "bfloat16"

@@ -13,7 +13,7 @@ import pytest
 
 from memfit.devices.profiles import cuda_profile
 from memfit.estimate.replay import replay_step
-from memfit.estimate.trace import ALLOC, CAT, FREE, FREE_PREV, MARK, PHASE, Segment, StepTrace
+from memfit.estimate.step_trace import ALLOC, CAT, FREE, FREE_PREV, MARK, PHASE, Segment, StepTrace
 from memfit.estimate.workload import StepSpec
 
 PARAM, LAZY, ACTIVATION = 1 << 20, 1 << 16, 3 << 20

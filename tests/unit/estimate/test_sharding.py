@@ -13,7 +13,7 @@ from memfit.estimate.sharding import (
     deepspeed_zero_config,
     shard_rows,
 )
-from memfit.estimate.trace import BLOCK
+from memfit.estimate.step_trace import BLOCK
 
 WORLDS = (1, 2, 4, 8)
 

@@ -14,6 +14,9 @@ from memfit.cli import main
 from memfit.devices.catalog import ASSUMED_GPU, find_gpu
 from memfit.errors import UsageError
 from memfit.estimate import estimate
+from memfit.job import Job
+from memfit.levers import quantization
+from memfit.levers.base import Room
 from memfit.plan import PLAN_KEYS, cost, plan
 from memfit.plan.configuration import QLORA, TIERS, Candidate, Levers, Plan
 from memfit.plan.planner import Space
@@ -90,22 +93,30 @@ def _speed(**changes: Any) -> float:
     return cost.samples_per_second(_shape(), find_gpu("t4"), **(knobs | changes))
 
 
+def _dequantization(shape: cost.ModelShape, gpu: str, kind: str, double: bool) -> float:
+    values = {"quantization": kind, "double_quant": double}
+    return quantization.LEVER.dequantization_seconds(values, shape, find_gpu(gpu))
+
+
 def test_dequantization_is_charged_per_pass_over_the_weights() -> None:
     t4, shape = find_gpu("t4"), _shape()
-    plain, nf4 = _speed(), _speed(quantization="nf4")
-    assert nf4 < plain and _speed(quantization="nf4", double_quant=True) < nf4
-    one_pass = cost.dequantization_seconds(shape, t4, "nf4", False)
+    plain, nf4 = _speed(), _speed(values={"quantization": "nf4"})
+    double = _speed(values={"quantization": "nf4", "double_quant": True})
+    assert nf4 < plain and double < nf4
+    one_pass = _dequantization(shape, "t4", "nf4", False)
     assert one_pass == pytest.approx(
         shape.quantizable_parameters
-        * cost.DEQUANT_BYTES_PER_PARAMETER
+        * quantization.DEQUANT_BYTES_PER_PARAMETER
         / (t4.memory_bandwidth_gbps * 1e9)
     )
     # 16 micro-batches × (forward, backward, recomputed forward): the step's extra seconds
     extra = 16 / nf4 - 16 / plain
     assert extra == pytest.approx(16 * 3 * one_pass)
+    # the cost model charges what the lever says a pass costs, through the levers' loop
+    assert quantization.LEVER.pass_seconds({"quantization": "nf4"}, shape, t4) == one_pass
     # no dequantization without quantization; a faster memory dequantizes faster
-    assert cost.dequantization_seconds(shape, t4, "none", True) == 0
-    assert cost.dequantization_seconds(shape, find_gpu("a100-80gb"), "nf4", False) < one_pass
+    assert _dequantization(shape, "t4", "none", True) == 0
+    assert _dequantization(shape, "a100-80gb", "nf4", False) < one_pass
 
 
 def test_paged_optimizers_cost_paging_and_adapters_only_under_lora() -> None:
@@ -151,12 +162,16 @@ def test_model_shape_counts_what_bitsandbytes_quantizes_and_the_adapters(tiny_ll
 
 # --- the search space and its order --------------------------------------------------------------------
 def test_quantization_goes_only_with_a_lora_rank_and_is_the_last_tier() -> None:
-    space = Space(("fp16",), ("adamw",), (64,), (0, 8), (("none", False), QLORA))
+    job = Job(model="m", task="causal-lm", seq_len=64, precision="fp16")
+    space = Space.of(Room(job=job, allowed=("lora", "quantization")))
     combos = space.combos()
     assert all(k.lora_rank for k in combos if k.quantization != "none")
     assert {(k.lora_rank, k.quantization) for k in combos} == {(0, "none"), (8, "none"), (8, "nf4")}
-    assert {(k.quantization, k.double_quant) for k in space.frugal()} == {("none", False), QLORA}
-    qlora = Levers("fp16", True, "adamw", 64, 8, *QLORA)
+    assert {(k.quantization, k.values["double_quant"]) for k in space.frugal()} == {
+        ("none", False),
+        QLORA,
+    }
+    qlora = Levers.of(_levers("fp16", True, "adamw", 64, 8, *QLORA))
     assert TIERS[qlora.tier("adamw", 64)] == "quantization"
     assert TIERS[dataclasses.replace(qlora, quantization="none").tier("adamw", 64)] == "lora"
     # the job's own rank and quantization are no lever
@@ -164,7 +179,7 @@ def test_quantization_goes_only_with_a_lora_rank_and_is_the_last_tier() -> None:
 
 
 def test_paged_optimizer_is_searched_after_the_plain_swaps_of_its_tier() -> None:
-    eight_bit = Levers("fp16", True, "adamw-8bit", 64, 0)
+    eight_bit = Levers.of(_levers("fp16", True, "adamw-8bit", 64, 0))
     paged = dataclasses.replace(eight_bit, optimizer="paged-adamw-8bit")
     assert eight_bit.tier("adamw", 64) == paged.tier("adamw", 64) == TIERS.index("optimizer")
     assert not eight_bit.paged_swap("adamw") and paged.paged_swap("adamw")
@@ -194,6 +209,27 @@ def test_cli_quantization_without_lora_is_one_line_exit_2(
 
 
 # --- the memfit train command --------------------------------------------------------------------------
+def _levers(
+    precision: str,
+    checkpointing: bool,
+    optimizer: str,
+    max_seq_len: int,
+    lora_rank: int,
+    kind: str = "none",
+    double: bool = False,
+) -> dict[str, Any]:
+    """A configuration's lever values, as the plan's search merges them."""
+    return {
+        "precision": precision,
+        "gradient_checkpointing": checkpointing,
+        "optimizer": optimizer,
+        "max_seq_len": max_seq_len,
+        "lora_rank": lora_rank,
+        "quantization": kind,
+        "double_quant": double,
+    }
+
+
 def _plan_with(knobs: Levers, **fields: Any) -> Plan:
     chosen = Candidate(
         knobs=knobs,
@@ -242,20 +278,22 @@ def _train_settings(command: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("knobs", "flags"),
+    ("values", "flags"),
     [
-        (Levers("fp16", True, "adamw", 2048, 8, "nf4", True), "--quantization nf4 --double-quant"),
-        (Levers("bf16", False, "paged-adamw-8bit", 1024, 0), "--optimizer paged-adamw-8bit"),
-        (Levers("fp16", True, "adamw", 2048, 16, "fp4", False), "--quantization fp4"),
+        (_levers("fp16", True, "adamw", 2048, 8, "nf4", True), "--quantization nf4 --double-quant"),
+        (_levers("bf16", False, "paged-adamw-8bit", 1024, 0), "--optimizer paged-adamw-8bit"),
+        (_levers("fp16", True, "adamw", 2048, 16, "fp4", False), "--quantization fp4"),
     ],
 )
-def test_train_command_parses_as_memfit_train_flags(knobs: Levers, flags: str) -> None:
+def test_train_command_parses_as_memfit_train_flags(values: dict[str, Any], flags: str) -> None:
     from memfit.train.config import TrainConfig, config_problems
 
+    knobs = Levers.of(values)
+    double = values["double_quant"]
     p = _plan_with(knobs)
     command = p.train_command()
     assert command is not None and flags in command
-    assert ("--double-quant" in command) == knobs.double_quant
+    assert ("--double-quant" in command) == double
     settings = _train_settings(command)
     s = p.chosen.settings() if p.chosen else {}
     for key in ("micro_batch_size", "precision", "optimizer", "gradient_checkpointing"):
@@ -263,7 +301,7 @@ def test_train_command_parses_as_memfit_train_flags(knobs: Levers, flags: str) -
     assert settings["max_seq_len"] == knobs.max_seq_len
     assert settings["effective_batch_size"] == 16
     assert settings.get("quantization", "none") == knobs.quantization
-    assert bool(settings.get("double_quant")) == knobs.double_quant
+    assert bool(settings.get("double_quant")) == double
     assert settings.get("lora_rank") == (knobs.lora_rank or None)
     # the flags make a run config memfit train accepts (its files aside)
     config = TrainConfig(**settings)
@@ -273,16 +311,18 @@ def test_train_command_parses_as_memfit_train_flags(knobs: Levers, flags: str) -
     d = p.to_dict()
     assert set(PLAN_KEYS) | {"quantization", "double_quant", "lora_rank"} <= set(d["plan"])
     assert d["plan"]["quantization"] == knobs.quantization
-    assert d["plan"]["double_quant"] is knobs.double_quant
+    assert d["plan"]["double_quant"] is double
     assert d["train_command"] == command
 
 
 def test_train_command_names_the_data_and_quotes_paths() -> None:
-    p = _plan_with(Levers("fp16", True, "adamw", 2048, 8, *QLORA), train_file="my data.jsonl")
+    p = _plan_with(
+        Levers.of(_levers("fp16", True, "adamw", 2048, 8, *QLORA)), train_file="my data.jsonl"
+    )
     command = p.train_command()
     assert command is not None and "--train-file 'my data.jsonl'" in command
     assert _train_settings(command)["train_file"] == "my data.jsonl"
-    assert _plan_with(Levers("fp16", True, "adamw", 2048, 8)).train_command() is not None
+    assert _plan_with(Levers.of(_levers("fp16", True, "adamw", 2048, 8))).train_command()
     assert dataclasses.replace(p, chosen=None).train_command() is None
 
 
@@ -310,7 +350,7 @@ class FakeEstimate:
 def fake_estimate(model: str, **kwargs: Any) -> FakeEstimate:
     state = 2 * MiB if kwargs["lora_rank"] else STATE[kwargs["optimizer"]]
     rows = kwargs["batch_size"] * (10 if kwargs["gradient_checkpointing"] else 40) * MiB
-    held = WEIGHTS[kwargs.get("quantization", "none")] + state
+    held = WEIGHTS[kwargs.get("quantization") or "none"] + state
     return FakeEstimate(held + rows, {"model_state": {"total_bytes": held}})
 
 
@@ -318,8 +358,9 @@ def fake_estimate(model: str, **kwargs: Any) -> FakeEstimate:
 def stated_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's estimates from :func:`fake_estimate` (and no tracing workers)."""
     import memfit.plan.planner as planner
+    import memfit.plan.search as search
 
-    monkeypatch.setattr(planner, "estimate", fake_estimate)
+    monkeypatch.setattr(search, "estimate", fake_estimate)
     monkeypatch.setattr(planner, "prefetch", lambda model, kwargs: None)
 
 
@@ -523,7 +564,7 @@ def test_train_command_reads_the_data_as_the_plan_did() -> None:
     assert flags == "--prompt-column q --completion-column 'a b'"
     assert _data_flags("body", dict.fromkeys(instructions)) == "--text-column body"
     assert _data_flags("text", dict.fromkeys(instructions)) == ""
-    p = _plan_with(Levers("fp16", True, "adamw", 2048, 8), train_file="d.jsonl")
+    p = _plan_with(Levers.of(_levers("fp16", True, "adamw", 2048, 8)), train_file="d.jsonl")
     command = dataclasses.replace(p, data_flags=flags).train_command()
     assert command is not None
     settings = _train_settings(command)

@@ -6,6 +6,7 @@ allocator writes "MB"/"GB"), printed with two decimals: a printed value is int(r
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -338,6 +339,16 @@ def test_cli_file_takes_the_last_message(
             ["--message", CUDA_OLD, "--model", "bert-base-uncased"],
             "--task, --batch-size, --seq-len",
         ),
+        # knobs of no job: accepted and ignored (rc 0) before; the flags the doctor took
+        # before issue 31 stay accepted without --model, the newer ones are refused
+        (
+            ["--message", CUDA_OLD, "--world-size", "4", "--sharding", "zero3"],
+            "--world-size, --sharding: only with --model",
+        ),
+        (
+            ["--message", CUDA_OLD, "--batch-size", "8", "--attn-implementation", "eager"],
+            "--attn-implementation: only with --model",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2(
@@ -347,6 +358,35 @@ def test_cli_bad_input_exits_2(
     assert code == 2 and out == ""
     assert err.startswith("memfit: error: ") and expected in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_old_knob_flags_stay_accepted_without_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """memfit doctor took these flags before its flags came from the job's fields, and ignored
+    them without --model: scripts that pass them keep working."""
+    argv = ["--batch-size", "8", "--precision", "bf16", "--gradient-checkpointing"]
+    code, out, err = run(capsys, "doctor", "--message", CUDA_OLD, *argv)
+    assert code == 0 and err == "" and "fixes" in out
+
+
+def test_cli_every_knob_flag_says_with_model() -> None:
+    """`memfit doctor --help` read "classification | causal-lm | sentence-embedding With
+    --model." (no period), and the newer knob flags did not say they need --model at all."""
+    import typing
+
+    from memfit.commands.doctor import doctor_command
+    from memfit.job import STEP_FIELDS
+
+    params = inspect.signature(doctor_command).parameters
+    for name in STEP_FIELDS:
+        option = typing.get_args(params[name].annotation)[1]
+        assert "with --model" in option.help.lower(), (name, option.help)
+        # each sentence ends with its period
+        assert ". With --model" in option.help or "(with --model)." in option.help, option.help
+    assert (
+        params["task"].annotation.__metadata__[0].help.endswith("sentence-embedding. With --model.")
+    )
 
 
 def _run_folder(tmp_path: Path, model: str) -> Path:

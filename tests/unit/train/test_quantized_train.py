@@ -367,8 +367,8 @@ def test_a_classifier_head_that_would_be_quantized_is_refused(
 def test_the_plan_counts_the_quantized_base(
     llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import memfit.plan
     from memfit.errors import UsageError
+    from memfit.train import setup
     from memfit.train.setup import plan_knobs
 
     asked: dict[str, Any] = {}
@@ -377,7 +377,7 @@ def test_the_plan_counts_the_quantized_base(
         asked.update(options)
         raise UsageError("stop here")
 
-    monkeypatch.setattr(memfit.plan, "plan", plan)
+    monkeypatch.setattr(setup, "plan", plan)
     cfg = _config(llama, tmp_path, quantization="fp4", double_quant=True, gpu_memory=1 << 30)
     assert plan_knobs(cfg, torch.device("cpu"))["source"] == "not planned: stop here"
     assert (asked["lora_rank"], asked["quantization"], asked["double_quant"]) == (8, "fp4", True)

@@ -33,6 +33,8 @@ from memfit.data.batching import padded_width
 from memfit.data.rows import DataOptions
 from memfit.errors import UsageError
 from memfit.job import positions_problem
+from memfit.models import usable_positions
+from memfit.models.folder import model_config
 
 Row = dict[str, Any]
 
@@ -117,8 +119,6 @@ class Recipe(abc.ABC):
     def fit_positions(self, config: Any) -> None:
         """``max_seq_len`` within the positions of the model whose config is ``config``: an
         asked-for length past them is a UsageError, a default one is lowered to them."""
-        from memfit.models import usable_positions
-
         limit = usable_positions(config)
         if self.max_seq_len <= limit:
             return
@@ -139,8 +139,6 @@ class Recipe(abc.ABC):
     def fit_folder_positions(self) -> None:
         """:meth:`fit_positions` from a local ``--model`` folder's config.json, before anything
         is loaded (a Hub id is checked once its model is loaded)."""
-        from memfit.models.folder import model_config
-
         folder = Path(self.model_name).expanduser()
         if folder.is_dir():
             self.fit_positions(model_config(folder, "--model")[1])

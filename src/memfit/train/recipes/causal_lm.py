@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
+from memfit import step
 from memfit.data.instructions import (
     IGNORE_INDEX,
     VERSION,
@@ -130,7 +130,7 @@ class CausalLMRecipe(Recipe):
     # -- data ----------------------------------------------------------------------------------
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # start-up: loaded when a run reads data
 
             self.tokenizer = load_pretrained(AutoTokenizer.from_pretrained, self.model_name)
             if self.tokenizer.pad_token is None:
@@ -291,7 +291,7 @@ class CausalLMRecipe(Recipe):
 
     # -- model ---------------------------------------------------------------------------------
     def build(self, train_rows: Sequence[Row]) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # start-up: loaded when a run builds a model
 
         self._load_tokenizer()
         kwargs: dict[str, Any] = {}
@@ -305,8 +305,9 @@ class CausalLMRecipe(Recipe):
         # the step's target tokens: labels that are not -100 after the shift (the guard's weight)
         return sum(_target_count(*self._tokens(row)) for row in rows)
 
-    def _summed_loss(self, rows: Sequence[Row]) -> tuple[torch.Tensor, int]:
-        """Summed token cross-entropy of ``rows`` and its number of target tokens."""
+    def _batch(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's input ids, attention mask and labels (per position, not shifted) on the
+        device."""
         tokens = [self._tokens(row) for row in rows]
         # dynamic padding: the chunk's longest row, rounded up to the device's multiple
         width = self.padded_width(max(len(ids) for ids, _ in tokens))
@@ -323,29 +324,20 @@ class CausalLMRecipe(Recipe):
         input_ids, attention_mask, labels = (
             self.on_device(t) for t in (input_ids, attention_mask, labels)
         )
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        # position t predicts token t+1; float(): sum in fp32 under autocast
-        shifted = logits[:, :-1, :].float()
-        targets = labels[:, 1:]
-        loss = F.cross_entropy(
-            shifted.reshape(-1, shifted.size(-1)),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-        return loss, int((targets != IGNORE_INDEX).sum())
+        return input_ids, attention_mask, labels
 
     def loss(
         self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
-        summed, _ = self._summed_loss(rows)
-        # summed over target tokens, divided by the step's: chunks add up to the step's mean
-        return summed / total_units
+        # summed over target tokens, divided by the step's: chunks add up to the step's mean;
+        # the loss the estimator traces (memfit.step)
+        return step.causal_lm_loss(self.model, *self._batch(rows), units=total_units)
 
     # -- eval ----------------------------------------------------------------------------------
     def eval_partial(self, rows: Sequence[Row]) -> tuple[float, int]:
-        summed, tokens = self._summed_loss(rows)
-        return float(summed), tokens
+        input_ids, attention_mask, labels = self._batch(rows)
+        summed = step.causal_lm_loss(self.model, input_ids, attention_mask, labels, units=1)
+        return float(summed), step.target_count(labels)
 
     def eval_reduce(self, partials: list[Any]) -> dict[str, float]:
         tokens = sum(part[1] for part in partials)

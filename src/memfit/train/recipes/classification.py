@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from memfit import step
 from memfit.data.labels import LabelRule, canonical_label, label_values
 from memfit.data.rows import (
     LENGTH,
@@ -253,6 +254,7 @@ class ClassificationRecipe(Recipe):
 
     # -- model ---------------------------------------------------------------------------------
     def build(self, train_rows: Sequence[Row]) -> None:
+        # start-up: transformers' Auto classes are loaded when a run builds a model
         from transformers import AutoModelForSequenceClassification
 
         if not self.labels:
@@ -282,7 +284,7 @@ class ClassificationRecipe(Recipe):
     def _match_head(self) -> bool:
         """Whether the model's own classification head must be replaced by a fresh one (said on
         stderr); when its label names are the data's, the labels take its ids instead."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # start-up: loaded when a run builds a model
 
         self.head_note = None
         config = load_pretrained(AutoConfig.from_pretrained, self.model_name)
@@ -312,7 +314,7 @@ class ClassificationRecipe(Recipe):
 
     def _load_tokenizer(self) -> Any:
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # start-up: loaded when a run reads data
 
             self.tokenizer = load_pretrained(AutoTokenizer.from_pretrained, self.model_name)
             if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
@@ -350,7 +352,9 @@ class ClassificationRecipe(Recipe):
             [text_of(row, self.text_pair_column) for row in rows] if self.text_pair_column else None
         )
         encoded = self._encode(texts, pairs)
-        return [{k[len(ENCODED) :]: encoded[k][i] for k in encoded} for i in range(len(rows))]
+        # the model's inputs only (not the rows' lengths, which _encode adds beside them)
+        names = [k for k in encoded if k.startswith(ENCODED)]
+        return [{k[len(ENCODED) :]: encoded[k][i] for k in names} for i in range(len(rows))]
 
     def lengths(self, rows: Sequence[Row]) -> list[int]:
         if all(LENGTH in row for row in rows):
@@ -360,7 +364,8 @@ class ClassificationRecipe(Recipe):
     def units(self, rows: Sequence[Row]) -> int:
         return len(rows)
 
-    def _logits(self, rows: Sequence[Row]) -> torch.Tensor:
+    def _inputs(self, rows: Sequence[Row]) -> dict[str, torch.Tensor]:
+        """The chunk's model inputs (ids, attention mask, a pair's type ids) on the device."""
         encodings = self._encodings(rows)
         # dynamic padding: the chunk is as wide as its longest text (rounded up to the device's
         # multiple), not max_seq_len
@@ -368,9 +373,11 @@ class ClassificationRecipe(Recipe):
         batch = self._load_tokenizer().pad(
             encodings, padding="max_length", max_length=width, return_tensors="pt"
         )
-        batch = {name: self.on_device(tensor) for name, tensor in batch.items()}
+        return {name: self.on_device(tensor) for name, tensor in batch.items()}
+
+    def _logits(self, rows: Sequence[Row]) -> torch.Tensor:
         # float(): under autocast the logits are half precision; the loss is summed in fp32
-        return self.model(**batch).logits.float()
+        return self.model(**self._inputs(rows)).logits.float()
 
     def _targets(self, rows: Sequence[Row]) -> torch.Tensor:
         return torch.tensor([self._label_id(row) for row in rows], device=self.device)
@@ -379,9 +386,9 @@ class ClassificationRecipe(Recipe):
         self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
         targets = self._targets(rows)
-        logits = self._logits(rows)
-        # summed, not averaged: chunks of a step then add up to the step's mean (base.py)
-        return F.cross_entropy(logits, targets, reduction="sum") / total_units
+        # summed, not averaged: chunks of a step add up to the step's mean (base.py); the loss
+        # the estimator traces (memfit.step)
+        return step.classification_loss(self.model, self._inputs(rows), targets, total_units)
 
     # -- eval ----------------------------------------------------------------------------------
     def eval_partial(self, rows: Sequence[Row]) -> tuple[list[int], list[int], float]:

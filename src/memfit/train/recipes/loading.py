@@ -27,8 +27,11 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from memfit.errors import UsageError
 from memfit.models.folder import check_for_loader, load_checked
+from memfit.models.registry import resolve_model
 
 T = TypeVar("T")
 
@@ -54,6 +57,7 @@ def _loads_a_model(loader: Callable[..., Any]) -> bool:
     owner = getattr(loader, "__self__", None)
     if not isinstance(owner, type):
         return False
+    # start-up: transformers' model classes are loaded when a run loads a model
     from transformers import PreTrainedModel
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
@@ -80,8 +84,6 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
         kwargs.setdefault("local_files_only", True)
     options = _MODEL_OPTIONS.get()
     if _loads_a_model(loader):
-        import torch
-
         # fp32 master weights (mixed precision autocasts the matmuls): transformers 5 would load
         # a checkpoint in its stored dtype, bfloat16 for today's decoders, and train in it
         kwargs.setdefault("dtype", torch.float32)
@@ -103,8 +105,6 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
 
 def _not_found(model: str, _exc: OSError) -> str:
     """The line for a ``--model`` that is no folder and that transformers did not find."""
-    from memfit.models.registry import resolve_model
-
     try:
         in_registry = resolve_model(model).source == "registry"
     except UsageError:

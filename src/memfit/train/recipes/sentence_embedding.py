@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from memfit import step
+from memfit.data.columns import ANCHOR_COLUMN, POSITIVE_COLUMN, text_columns
 from memfit.data.rows import LENGTH, Column, RowTable, read_rows, text_of, tokenizer_key
 from memfit.errors import UsageError
 from memfit.train.recipes.base import Recipe, Row
@@ -81,7 +83,7 @@ def information_retrieval(
     documents every positive it is paired with; documents ranked by cosine similarity (ties by
     corpus order). Returns ``accuracy@1``, ``mrr@10`` and ``ndcg@10``, computed by the
     evaluator's own ``compute_metrics``."""
-    from sentence_transformers.util import cos_sim
+    from sentence_transformers.util import cos_sim  # optional: sentence-transformers
 
     queries: dict[str, int] = {}  # text -> the row of its first occurrence
     corpus: dict[str, int] = {}
@@ -136,10 +138,7 @@ def _ir_evaluator_class() -> Any:
 
 def _losses_module() -> Any:
     """``sentence_transformers.losses`` (v3-5), moved under ``sentence_transformer`` in v6."""
-    try:
-        return importlib.import_module("sentence_transformers.sentence_transformer.losses")
-    except ImportError:
-        return importlib.import_module("sentence_transformers.losses")
+    return step.sentence_losses()
 
 
 # -- several ranks -------------------------------------------------------------------------------
@@ -328,8 +327,8 @@ class SentenceEmbeddingRecipe(Recipe):
         self,
         model: str,
         *,
-        anchor_column: str = "anchor",
-        positive_column: str = "positive",
+        anchor_column: str = ANCHOR_COLUMN,
+        positive_column: str = POSITIVE_COLUMN,
         loss: str = "mnrl",
         max_seq_len: int = 128,
     ) -> None:
@@ -374,8 +373,12 @@ class SentenceEmbeddingRecipe(Recipe):
         )
 
     def read(self, path: Path, flag: str = "--train-file") -> Sequence[Row]:
-        columns = [Column(self.anchor_column), Column(self.positive_column)]
-        rows = read_rows(path, columns, flag=flag, options=self.data_options)
+        pair = text_columns(
+            "sentence-embedding",
+            anchor_column=self.anchor_column,
+            positive_column=self.positive_column,
+        )
+        rows = read_rows(path, [Column(c) for c in pair], flag=flag, options=self.data_options)
         if flag == "--train-file" and len(rows) < 2 and self.loss_name in IN_BATCH_NEGATIVES:
             left = " left after skipping bad rows" if rows.skipped else ""
             raise UsageError(
@@ -405,7 +408,7 @@ class SentenceEmbeddingRecipe(Recipe):
         return None
 
     def build(self, train_rows: Sequence[Row]) -> None:
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # optional: sentence-transformers
 
         # device="cpu": the loop moves it with to(); ST would otherwise pick a GPU on its own
         self.model = load_pretrained(SentenceTransformer, self.model_name, device="cpu")
@@ -438,7 +441,8 @@ class SentenceEmbeddingRecipe(Recipe):
             key = mini_batch_size
         if key not in self._losses:
             self._losses[key] = (
-                _losses_module().MultipleNegativesRankingLoss(self.model)
+                # the loss the estimator traces (memfit.step)
+                step.sentence_loss_module("mnrl", self.model)
                 if key is None
                 else _cached_loss_class()(self.model, mini_batch_size=key)
             )
@@ -454,9 +458,8 @@ class SentenceEmbeddingRecipe(Recipe):
             self._features(rows, self.anchor_column),
             self._features(rows, self.positive_column),
         ]
-        # the mean over these rows, reweighted to the contract's sum / total_units; the cached
-        # loss's backward hook receives this factor as its grad_output, so it reaches every replay
-        return module(features, None) * (len(rows) / total_units)
+        # the mean over these rows, reweighted to the contract's sum / total_units (memfit.step)
+        return step.sentence_embedding_loss(module, features, None, len(rows), total_units)
 
     def _loss_across_ranks(
         self, rows: Sequence[Row], total_units: int, mini_batch_size: int | None

@@ -1,0 +1,41 @@
+"""The knobs of one step that change what it allocates (:class:`StepSpec`), in a module of its
+own: the step (:mod:`memfit.estimate.workload`, which imports it from here), the quantizer and
+the attention check all name it, and the step imports the quantizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The knobs of one step that change what is allocated (shape-independent)."""
+
+    task: str
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    mode: str = "train"
+    device: str = "cuda"
+    num_labels: int = 2
+    loss: str = "cross-entropy"
+    # LoRA adapters (peft) of this rank; 0: full fine-tuning
+    lora_rank: int = 0
+    # which modules get them (see ``lora_target_modules``); empty: the architecture's default
+    lora_targets: tuple[str, ...] = ()
+    # the frozen base weights as bitsandbytes holds them ("none", "nf4", "fp4", "int8"; only with
+    # LoRA) and, for 4-bit, whether the block scales are quantized again
+    quantization: str = "none"
+    double_quant: bool = False
+    # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
+    # estimator traces two and adds the rest exactly; real runs use the true count)
+    cached_chunks: int = 2
+    # CUDA only: the SM version whose SDPA kernels the estimate emulates (75 for a T4). 80 stands
+    # for every sm80+ GPU (flash and memory-efficient attention); below it there is no flash
+    # attention, below 50 no memory-efficient attention either (see memfit.estimate.sdpa_emulation)
+    sdpa_sm: int = 80
