@@ -8,6 +8,7 @@ come from the search's estimates (:meth:`~memfit.plan.search.Search.peak`) and i
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from memfit.devices.catalog import catalog
 from memfit.estimate.sharding import SCHEME_ORDER
@@ -329,11 +330,15 @@ def _scale_out_lines(job: Search, result: Plan) -> list[str]:
         ]
     lines = []
     for world in sorted({r["world_size"] for r in rows}):
+        here = [r for r in rows if r["world_size"] == world]
+        # memfit train runs adapters with plain data parallelism only: where the schemes' least
+        # configurations differ in form, each says which it is
+        mixed = len({(r.get("lora_rank"), r.get("quantization")) for r in here}) > 1
         parts = [
             f"{r['sharding']} {format_bytes(r['predicted_peak_bytes'])}"
+            + (f" {_form(r)}" if mixed else "")
             + (" (fits)" if r["fits"] else "")
-            for r in rows
-            if r["world_size"] == world
+            for r in here
         ]
         lines.append(
             f"On {world} GPUs the least configuration needs per GPU: " + ", ".join(parts) + "."
@@ -355,3 +360,11 @@ def _scale_out_lines(job: Search, result: Plan) -> list[str]:
         largest = max(r["world_size"] for r in rows)
         lines.append(f"Not even {largest} GPUs with any sharding hold the least configuration.")
     return lines
+
+
+def _form(row: dict[str, Any]) -> str:
+    """A scale-out row's configuration in a few words: full fine-tuning, LoRA or QLoRA."""
+    if not row.get("lora_rank"):
+        return "full fine-tuning"
+    quantization = row.get("quantization")
+    return "LoRA" if quantization in (None, "none") else f"QLoRA {quantization}"

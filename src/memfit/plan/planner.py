@@ -602,6 +602,7 @@ def _scale_out(job: Search, space: Space) -> list[dict[str, Any]]:
                     "precision": knobs.precision,
                     "optimizer": knobs.optimizer,
                     "quantization": knobs.quantization,
+                    "lora_rank": knobs.lora_rank or None,
                 }
             )
     return rows

@@ -4,11 +4,13 @@ a lever adds to the cost model and what it says in the explanation all come from
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
 import pytest
 
+from memfit.commands.plan import PLANNED
 from memfit.devices.catalog import find_gpu
 from memfit.job import Job
 from memfit.levers import BY_NAME, LEVERS, quantization
@@ -139,3 +141,12 @@ def test_the_quantization_lever_explains_itself() -> None:
     assert lever.plan_lines(_chosen({**QLORA_VALUES, "quantization": "none"}, base)) == []
     assert lever.time_words(QLORA_VALUES) == "dequantizing the base weights on every pass"
     assert lever.time_words(base) is None
+
+
+def test_every_knob_flag_of_memfit_plan_is_a_keyword_plan_takes() -> None:
+    """memfit plan hands every knob flag it shows to :func:`memfit.plan.plan`: a lever field that
+    is neither planned nor a pin (nor one of plan's own parameters) would be a TypeError
+    traceback for a user who gives its flag (a new lever must declare its ``pins``)."""
+    takes = set(inspect.signature(plan).parameters) | set(PINS)
+    shown = {f.name for f in dataclasses.fields(Job)} - {"model", *PLANNED}
+    assert shown - takes == set()

@@ -249,6 +249,10 @@ def test_a_scale_out_with_adapters_offers_data_parallelism_not_zero(
     # ZeRO-3 over 8 ranks divides everything: it would fit with adapters, but memfit train
     # refuses adapters under ZeRO, so the row prices the full fine-tuning it runs
     assert rows[(8, "zero3")]["quantization"] == "none"
+    assert rows[(8, "zero3")]["lora_rank"] is None and rows[(8, "none")]["lora_rank"]
+    # the line says which configuration each scheme's number is
+    line = next(s for s in p.suggestions if s.startswith("On 8 GPUs"))
+    assert "zero3 " in line and "full fine-tuning" in line and "QLoRA nf4" in line, line
     fewest = [s for s in p.suggestions if s.startswith("Fewest GPUs")]
     assert all("--sharding zero" not in s and "--sharding fsdp" not in s for s in fewest)
 
