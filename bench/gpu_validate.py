@@ -514,16 +514,17 @@ def _peak_rss_bytes() -> int:
 def _spec_for(request: Mapping[str, Any]) -> Any:
     """The StepSpec the estimator builds for these knobs (same validation, same loss resolution)."""
     from memfit.errors import UsageError
-    from memfit.estimate import validate
+    from memfit.estimate.api import step_job, validate
 
-    spec, problems = validate(
-        task=request["task"],
+    # the job as memfit.estimate builds it from its keywords, checked the same way
+    job = step_job(
+        str(request.get("model", "")),
         batch_size=request["batch_size"],
+        task=request["task"],
         seq_len=request["seq_len"],
         precision=request["precision"],
         optimizer=request["optimizer"],
         attn_implementation=request["attn_implementation"],
-        mode=request["mode"],
         device=request["device"],
         num_labels=request["num_labels"],
         loss=request.get("loss"),
@@ -531,6 +532,7 @@ def _spec_for(request: Mapping[str, Any]) -> Any:
         quantization=request.get("quantization", "none"),
         double_quant=bool(request.get("double_quant", False)),
     )
+    spec, problems = validate(job, mode=request["mode"])
     if problems:
         raise UsageError("; ".join(problems))
     return dataclasses.replace(spec, gradient_checkpointing=bool(request["gradient_checkpointing"]))
