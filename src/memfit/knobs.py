@@ -13,6 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import field
 from typing import Any
 
+# the job (:class:`memfit.job.Job`) as the levers' checks see it: the job inherits the levers'
+# knobs, so a lever does not import it (that would be an import circle, even for a type); the
+# checks read its fields by name
+AnyJob = Any
+
 
 def positions_problem(flag: str, seq_len: Any, positions: int, model: str) -> str | None:
     """The problem with a sequence length past the ``positions`` ``model`` can embed, or None."""

@@ -17,8 +17,9 @@ Nothing here imports torch or transformers: the CLI's quick verbs read it too.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from memfit.knobs import AnyJob as Job
 from memfit.levers import (
     attention,
     batch,
@@ -32,9 +33,6 @@ from memfit.levers import (
     truncation,
 )
 from memfit.levers.base import Lever
-
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
 
 # every lever, in the plan's order: the exact ones first (tier 0), then those used only when
 # allowed, least harmful first, then more GPUs

@@ -4,13 +4,11 @@ device has them), the eager matmul-softmax, or the flash-attn package's FlashAtt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
+from memfit.knobs import AnyJob as Job
 from memfit.knobs import knob
 from memfit.levers.base import Lever
-
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
 
 # flash_attention_2: the flash-attn package's kernel as transformers calls it (modelled on a CUDA
 # GPU of sm80 or newer; it never runs on the CPU)

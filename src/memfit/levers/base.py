@@ -11,13 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from memfit.knobs import AnyJob as Job
 from memfit.knobs import flag_of
-
-if TYPE_CHECKING:  # the job is built from the levers' knobs: a type only, no import at run time
-    from memfit.job import Job
-    from memfit.levers.cure import Fix, Patient
+from memfit.levers.cure import Fix, Patient
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
+from memfit.knobs import AnyJob as Job
 
 
 @dataclass

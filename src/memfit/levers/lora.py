@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from memfit.knobs import AnyJob as Job
 from memfit.knobs import knob, whole
 from memfit.levers.base import Lever, Room
 from memfit.levers.cure import Fix, Patient
-
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
 
 # the rank a plan gives adapters when it adds them
 LORA_RANK = 8

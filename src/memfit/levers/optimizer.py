@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from memfit.knobs import AnyJob as Job
 from memfit.knobs import knob
 from memfit.levers.base import Lever, Room
 from memfit.levers.cure import Fix, Patient
-
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from memfit.knobs import AnyJob as Job
 from memfit.knobs import knob, whole
 from memfit.levers.base import Chosen, Lever, Room
 from memfit.levers.cure import Fix, Patient
 from memfit.levers.lora import LORA_RANK
 from memfit.units import format_bytes
-
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
 
 # the base weights as bitsandbytes holds them (QLoRA): 4-bit NormalFloat or float, LLM.int8()
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")

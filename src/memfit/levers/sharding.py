@@ -6,13 +6,11 @@ nothing fits on the GPUs given (``scale_out``), never a silent change of the job
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
+from memfit.knobs import AnyJob as Job
 from memfit.knobs import knob, whole
 from memfit.levers.base import Lever
-
-if TYPE_CHECKING:  # a type only (the job is built from the levers' knobs)
-    from memfit.job import Job
 
 # none: every rank holds the whole model (data parallelism); fsdp: PyTorch FSDP2; zero1|2|3:
 # DeepSpeed ZeRO (see memfit.estimate.sharding for what each divides)
