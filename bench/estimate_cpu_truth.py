@@ -200,6 +200,13 @@ CUSTOM_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# the decoder families as today's checkpoints ship them: config.dtype bfloat16, which
+# --weights-dtype auto (the default) holds a frozen base in ("@llama-mini-bf16", ...)
+DECODERS = ("llama-mini", "qwen2-mini", "gemma2-mini", "phi3-mini")
+for _name in DECODERS:
+    _type, _kwargs = CUSTOM_CONFIGS[_name]
+    CUSTOM_CONFIGS[f"{_name}-bf16"] = (_type, {**_kwargs, "dtype": "bfloat16"})
+
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -237,6 +244,10 @@ class Case:
             parts.append(k["quantization"] + ("+dq" if k.get("double_quant") else ""))
         if k.get("loss"):
             parts.append(k["loss"])
+        if k.get("weights_dtype", "auto") != "auto":
+            parts.append("weights-" + k["weights_dtype"])
+        if k.get("cross_entropy", "standard") != "standard":
+            parts.append(k["cross_entropy"])
         return ",".join(parts)
 
     def missing(self) -> list[str]:
@@ -253,6 +264,60 @@ def C(
 
 
 CLS, LM, EMB = "classification", "causal-lm", "sentence-embedding"
+
+
+def _new_knob_cases(
+    family: str, lm_batch: int, seq: int, fused_lora: tuple[int, int] | None = None
+) -> list[Case]:
+    """The weights' dtype and the fused-linear cross-entropy on one decoder family: a LoRA over a
+    bf16 checkpoint (its frozen base held in bf16 by ``auto``), pure bf16 full fine-tuning, the
+    fused-linear loss over fp32 weights and over a bf16 base, and QLoRA over a bf16 checkpoint
+    (its unquantized embeddings and head in bf16). bf16 matmuls run on the CPU's slow reference
+    kernel: small shapes, whose activations still pass glibc's 64 KiB mmap threshold.
+    ``fused_lora``: the (batch, tokens) of the fused-linear LoRA case where those differ (its
+    step holds no logits: its hidden states must pass the threshold themselves)."""
+    bf16 = f"@{family}-bf16"
+    fused_batch, fused_seq = fused_lora or (lm_batch, seq)
+    return [
+        C(bf16, LM, lm_batch, seq, precision="bf16", lora_rank=8),
+        C(f"@{family}", LM, lm_batch, seq, precision="bf16", weights_dtype="bf16"),
+        C(f"@{family}", LM, lm_batch, seq, cross_entropy="fused-linear"),
+        C(
+            bf16,
+            LM,
+            fused_batch,
+            fused_seq,
+            precision="bf16",
+            lora_rank=8,
+            cross_entropy="fused-linear",
+        ),
+        C(
+            bf16,
+            LM,
+            lm_batch,
+            seq,
+            precision="bf16",
+            lora_rank=8,
+            quantization="nf4",
+            requires=("bitsandbytes",),
+        ),
+    ]
+
+
+# --weights-dtype and --cross-entropy on every decoder family (--new-knobs runs only these)
+NEW_KNOBS: list[Case] = [
+    *_new_knob_cases("llama-mini", 4, 64),
+    # the fused-linear LoRA step holds no logits: at 2 x 64 tokens it is 3 MiB of tensors under
+    # 64 KiB (32 KiB hidden states) and glibc's heap kept 0.6 MiB more resident (-16 %); at
+    # 4 x 128, 8.5 MiB, RSS was 0.24 MiB above it (-2.8 %): the CPU's bf16 matmuls (oneDNN's
+    # reference kernel) take 120-140 KiB of scratch each outside torch's tensors. The trace's
+    # allocations equal the real step's one for one at both shapes (bench/trace_vs_real.py's
+    # method): the case is sized so that this fixed scratch is a small part of it
+    *_new_knob_cases("qwen2-mini", 2, 64, fused_lora=(8, 128)),
+    # Gemma 2: 128 tokens, past its 64-token sliding window
+    *_new_knob_cases("gemma2-mini", 2, 128),
+    *_new_knob_cases("phi3-mini", 4, 64),
+]
 
 # fmt: off
 MATRIX: list[Case] = [
@@ -324,6 +389,7 @@ MATRIX: list[Case] = [
     C("@llama-mini", LM, 4, 128, optimizer="adamw-8bit", requires=("bitsandbytes",)),
     C("@llama-mini", LM, 4, 128, lora_rank=8, quantization="nf4", optimizer="paged-adamw-8bit",
       requires=("bitsandbytes",)),
+    *NEW_KNOBS,
 ]
 # fmt: on
 
@@ -437,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="4-case subset (~2 minutes)")
     parser.add_argument(
+        "--new-knobs",
+        action="store_true",
+        help="only the --weights-dtype and --cross-entropy cases (bf16 weights, pure bf16, "
+        "fused-linear, with LoRA and QLoRA, on every decoder family)",
+    )
+    parser.add_argument(
         "--only", default=None, help="run only cases whose model or task contains this text"
     )
     parser.add_argument("--repeats", type=int, default=3, help="measured steps per case (median)")
@@ -457,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         " " + shlex.quote(a) for a in raw_args
     )
 
-    cases = QUICK if args.quick else MATRIX
+    cases = QUICK if args.quick else NEW_KNOBS if args.new_knobs else MATRIX
     if args.only:
         cases = [
             c

@@ -32,6 +32,7 @@ from memfit.knobs import (
 from memfit.levers.attention import ATTN_IMPLEMENTATIONS, AttentionKnobs
 from memfit.levers.batch import BatchKnobs
 from memfit.levers.checkpointing import CheckpointingKnobs
+from memfit.levers.cross_entropy import CROSS_ENTROPIES, CrossEntropyKnobs
 from memfit.levers.lora import LoraKnobs
 from memfit.levers.mini_batch import DEFAULT_MINI_BATCH_SIZE, MiniBatchKnobs
 from memfit.levers.optimizer import (
@@ -45,6 +46,7 @@ from memfit.levers.precision import PRECISIONS, PrecisionKnobs
 from memfit.levers.quantization import FOUR_BIT, QUANTIZATIONS, QuantizationKnobs
 from memfit.levers.sharding import DEEPSPEED_SCHEMES, SHARDING_SCHEMES, ShardingKnobs
 from memfit.levers.truncation import TruncationKnobs
+from memfit.levers.weights import WEIGHTS_DTYPES, WeightsKnobs
 
 # --- the vocabulary ---------------------------------------------------------------------------------
 TASKS = ("classification", "causal-lm", "sentence-embedding")
@@ -147,6 +149,8 @@ class DeviceKnobs:
 @dataclass(kw_only=True)
 class Job(
     DeviceKnobs,
+    CrossEntropyKnobs,
+    WeightsKnobs,
     QuantizationKnobs,
     LoraKnobs,
     AttentionKnobs,
@@ -230,6 +234,7 @@ STEP_FIELDS = tuple(name for name in JOB_FIELDS if name not in NOT_STEP_FIELDS)
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "CACHED_LOSSES",
+    "CROSS_ENTROPIES",
     "DEEPSPEED_SCHEMES",
     "DEFAULT_LOSS",
     "DEFAULT_MINI_BATCH_SIZE",
@@ -252,6 +257,7 @@ __all__ = [
     "SWAP_OPTIMIZERS",
     "TASKS",
     "TRACE_DEPTHS",
+    "WEIGHTS_DTYPES",
     "Job",
     "Optimizer",
     "choice_problem",

@@ -60,7 +60,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # today's families, as the benchmark has them (bench/estimate_cpu_truth.py)
     **{
         name: CUSTOM_CONFIGS[name]
-        for name in ("llama-mini", "qwen2-mini", "gemma2-mini", "phi3-mini", "modernbert-mini")
+        for name in (
+            "llama-mini",
+            "llama-mini-bf16",  # dtype bfloat16: --weights-dtype auto holds a LoRA base in bf16
+            "qwen2-mini",
+            "gemma2-mini",
+            "phi3-mini",
+            "modernbert-mini",
+        )
     },
 }
 
@@ -120,6 +127,28 @@ CASES = [
         "phi3-mini", "causal-lm", 4, 128, {"gradient_checkpointing": True}, id="phi3-checkpointing"
     ),
     pytest.param("phi3-mini", "causal-lm", 8, 128, {"mode": "eval"}, id="phi3-eval"),
+    # the weights' dtype and the loss without logits (bench/estimate_cpu_truth.py --new-knobs
+    # has every family): pure bf16 (weights, gradients and AdamW state), the fused-linear loss
+    # with fp32 weights, and a LoRA over a bf16 checkpoint (auto: the base held in bf16) with it
+    pytest.param(
+        "llama-mini",
+        "causal-lm",
+        4,
+        64,
+        {"precision": "bf16", "weights_dtype": "bf16"},
+        id="llama-pure-bf16",
+    ),
+    pytest.param(
+        "llama-mini", "causal-lm", 4, 64, {"cross_entropy": "fused-linear"}, id="llama-fused"
+    ),
+    pytest.param(
+        "llama-mini-bf16",
+        "causal-lm",
+        4,
+        64,
+        {"precision": "bf16", "lora_rank": 8, "cross_entropy": "fused-linear"},
+        id="llama-bf16-base-lora-fused",
+    ),
     # ModernBERT: local and global attention layers
     pytest.param("modernbert-mini", "classification", 32, 256, {}, id="modernbert-train"),
     pytest.param(

@@ -107,6 +107,8 @@ def test_plan_json_and_config_round_trip(
             assert loaded[key] == value
 
 
+# a causal LM's plan tries both losses (cross-entropy lever): over 10 s here
+@pytest.mark.slow
 def test_plan_nothing_fits_exits_3_with_json(
     capsys: pytest.CaptureFixture[str], tiny_gpt2: str, tmp_path: Path
 ) -> None:
@@ -149,6 +151,8 @@ def test_plan_bad_input_is_one_line_exit_2(
     assert err.startswith("memfit: error:") and flag in err and err.count("\n") == 1
 
 
+# plans with nothing fitting and with truncation: over 10 s here
+@pytest.mark.slow
 def test_plan_truncation_reports_tokens_lost(
     capsys: pytest.CaptureFixture[str], tiny_bert: str, tmp_path: Path
 ) -> None:

@@ -74,6 +74,12 @@ def test_typed_values_name_only_the_bound_of_a_count() -> None:
             {"task": "classification", "effective_batch_size": 6, "world_size": 4},
             "--effective-batch-size: 6 does not split evenly over --world-size 4",
         ),
+        # pure 16-bit training without loss scaling: pure fp16, bf16 weights under fp16 autocast
+        ({"task": "causal-lm", "weights_dtype": "fp16"}, "--weights-dtype fp16: pure fp16"),
+        (
+            {"task": "classification", "weights_dtype": "bf16", "precision": "fp16"},
+            "--weights-dtype bf16 with --precision fp16:",
+        ),
     ],
 )
 def test_the_checks_between_knobs(knobs: dict[str, object], problem: str) -> None:

@@ -56,10 +56,16 @@ PLANNED = (
     exclude=("model", *PLANNED),
     defaults={name: STEP_DEFAULTS[name] for name in ("num_labels", "world_size")},
     required=("task", "effective_batch_size"),
-    helps={"world_size": "The budget is per GPU.", "precision": "Pins it."},
+    helps={
+        "world_size": "The budget is per GPU.",
+        "precision": "Pins it.",
+        "weights_dtype": "Pins it (pure bf16 otherwise only with --allow pure-16bit).",
+        "cross_entropy": "Pins it.",
+    },
     shown_defaults={
         "seq_len": "with --train-file, its longest sample",
         "precision": "the plan chooses",
+        "cross_entropy": "causal-lm: the plan chooses",
     },
 )
 def plan_command(

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from memfit import step
 from memfit.devices.catalog import Gpu, find_gpu
 from memfit.devices.profiles import CudaProfile, cuda_profile, sdpa_sm
 from memfit.errors import UsageError
@@ -42,6 +43,7 @@ from memfit.job import (
     whole,
 )
 from memfit.models import resolve_model
+from memfit.step import linear_ce, weights
 from memfit.units import parse_size
 
 BREAKDOWN_KEYS = (*CATEGORIES, "allocator_overhead", "runtime_overhead")
@@ -323,6 +325,11 @@ def _checked(
         problem = positions_problem("--seq-len", seq_len, model_spec.max_positions, model_spec.name)
         if problem:
             problems.append(problem)
+        # a head the fused loss does not model (Granite's logits_scaling, Cohere's
+        # logit_scale): refused before anything is traced
+        fused = job.task == "causal-lm" and job.cross_entropy == "fused-linear"
+        if fused and (problem := step.fused_linear_config_problem(model_spec.config)):
+            problems.append(problem)
     if not whole(accumulation):
         problems.append(
             f"--gradient-accumulation-steps: expected a whole number ≥ 1, got {accumulation!r}"
@@ -401,7 +408,37 @@ def _details(
         details["mini_batch_size"] = shape[0]
     if spec.lora_rank:
         details["lora_rank"] = spec.lora_rank
+    details["weights"] = _weights_details(traced)
+    if spec.task == "causal-lm" and spec.cross_entropy == "fused-linear":
+        details["cross_entropy"] = _cross_entropy_details(traced.config, spec, shape)
     return details
+
+
+def _cross_entropy_details(config: Any, spec: StepSpec, shape: tuple[int, int]) -> dict[str, Any]:
+    """``details["cross_entropy"]``: which fused-linear implementation the target device runs
+    and how it cuts the micro-batch's tokens (every position of every row: the labels are
+    shifted, not the hidden states) into chunks of logits."""
+    text = config.get_text_config()
+    rows = shape[0] * shape[1]
+    chunk = linear_ce.chunk_rows(rows, int(text.vocab_size), hidden_size(text))
+    return {
+        "kind": "fused-linear",
+        "implementation": linear_ce.implementation(spec.device),
+        "chunk_rows": chunk,
+        "chunks": -(-rows // chunk),
+    }
+
+
+def _weights_details(traced: Traced) -> dict[str, Any]:
+    """``details["weights"]``: the dtypes the step holds its frozen weights in (None when it
+    freezes none; bitsandbytes' packed weights aside), its trained ones in, and the checkpoint's."""
+    frozen, trainable = weights.weight_dtypes(traced.config, traced.spec.weights_dtype)
+    params = traced.trace.params
+    return {
+        "frozen": weights.dtype_name(frozen) if any(not p.trainable for p in params) else None,
+        "trainable": weights.dtype_name(trainable),
+        "checkpoint": weights.dtype_name(weights.checkpoint_dtype(traced.config)),
+    }
 
 
 _QUANTIZATION_SUMMARIES: dict[tuple[Any, StepSpec], Any] = {}

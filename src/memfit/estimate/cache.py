@@ -94,7 +94,7 @@ def _source_digest() -> str:
     sources = [
         *sorted(Path(__file__).parent.glob("*.py")),
         *sorted((package / "levers").glob("*.py")),
-        package / "step.py",
+        *sorted((package / "step").glob("*.py")),
         package / "knobs.py",
     ]
     for path in sources:

@@ -20,6 +20,7 @@ from memfit.estimate.autocast_emulation import CudaAutocast
 from memfit.estimate.emulation import redispatch
 from memfit.estimate.sdpa_emulation import CudaSdpa
 from memfit.estimate.workload import StepSpec
+from memfit.step import linear_ce
 
 __all__ = ["CudaDropout", "TraceModes", "trace_modes"]
 
@@ -54,6 +55,9 @@ def trace_modes(spec: StepSpec) -> TraceModes:
         stack.enter_context(CudaSdpa(compute_capability=divmod(spec.sdpa_sm, 10)))
         # CUDA's dropout keeps a 1-byte bool mask for backward; the CPU kernel keeps a float one
         stack.enter_context(CudaDropout())
+        # the fused-linear cross-entropy accumulates the head's gradient as Liger does on the
+        # GPU's generation: addmm into the fp32 gradient (out_dtype) on sm80+, no V x H temporary
+        stack.enter_context(linear_ce.fp32_out_accumulation(spec.sdpa_sm >= 80))
         return stack
 
     return TraceModes(autocast, step_modes, backward_modes)

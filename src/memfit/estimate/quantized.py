@@ -8,6 +8,10 @@ becomes a ``bnb.nn.Linear4bit`` (``compress_statistics`` = ``--double-quant``) o
 ``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``, ``threshold=6.0``). The rest is loaded in the
 compute dtype (``bnb_4bit_compute_dtype``: bf16, fp16, or fp32 for ``--precision fp32``) and peft's
 ``prepare_model_for_kbit_training`` upcasts it to fp32; LoRA adapters (peft) go on top, in fp32.
+Then the unquantized frozen weights are held in the frozen dtype of ``--weights-dtype`` (the
+checkpoint's under ``auto``: bf16 for today's decoders; fp32 keeps peft's upcast), as memfit
+train casts them back after peft's preparation (:func:`memfit.estimate.workload.place_weights`);
+the dequantized weights are still computed in the compute dtype.
 
 A real run (bitsandbytes installed, real tensors) gets the real modules. The estimator never
 imports bitsandbytes: its trace (fake CPU tensors) gets :class:`Linear4bitModel` and
@@ -96,6 +100,7 @@ __all__ = [
     "modules_to_not_convert",
     "paged_state_bytes",
     "quantize_model",
+    "restore_bias_dtypes",
 ]
 
 
@@ -524,13 +529,21 @@ def quantize_model(model: nn.Module, spec: StepSpec) -> nn.Module:
         ("quantization_method", "bitsandbytes"),
     ):
         setattr(inner, name, value)
-    # freezes the base, upcasts every fp16/bf16 parameter that is not 4-bit to fp32
+    # freezes the base, upcasts every fp16/bf16 parameter that is not 4-bit to fp32 (the
+    # caller then holds the frozen ones in the frozen dtype: memfit.step.weights.place_weights)
     prepare_model_for_kbit_training(inner, use_gradient_checkpointing=False)
-    for module in inner.modules():
-        if isinstance(module, Linear4bitModel) and module.bias is not None:
-            # Linear4bit's first forward casts its bias back to the compute dtype
-            module.bias.data = module.bias.data.to(dtype)
+    restore_bias_dtypes(model, spec)
     return model
+
+
+def restore_bias_dtypes(model: nn.Module, spec: StepSpec) -> None:
+    """Linear4bit's first forward casts its bias to the compute dtype, in place, for good: the
+    steady-state step holds it so, whatever dtype peft's preparation or the frozen weights'
+    placement gave it (the trace cannot swap a resident storage mid-step)."""
+    dtype = compute_dtype(spec.precision)
+    for module in model.modules():
+        if isinstance(module, Linear4bitModel) and module.bias is not None:
+            module.bias.data = module.bias.data.to(dtype)
 
 
 def _replace_with_models(

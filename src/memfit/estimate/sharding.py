@@ -1,6 +1,7 @@
 """What each way of spreading a model over W GPUs keeps on one of them.
 
-The trace is of one unsharded step (fp32 parameters, autocast for mixed precision). A sharded
+The trace is of one unsharded step (the parameters in the dtypes of ``--weights-dtype``: fp32
+trained ones, a frozen base in its checkpoint's dtype; autocast for mixed precision). A sharded
 estimate replays the same events with their sizes changed by category, so the peak moves to the
 phase where the scheme really peaks; :func:`layout` says how. Nothing here traces: the world size
 and the scheme are replay-time knobs, and a trace serves every one of them.
@@ -592,7 +593,8 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         keep_whole = stage < 3 or (p.numel < settings.param_persistence_threshold)
         if stage == 3 and keep_whole:
             persistent += p.numel
-        module = b * (p.numel if keep_whole else -(-p.numel // W))
+        # a 16-bit weight (a frozen base held in bf16) stays 16-bit in an fp32 module
+        module = min(b, p.itemsize) * (p.numel if keep_whole else -(-p.numel // W))
         pieces = [(module, pcat)]
         if p.trainable and train:
             # DeepSpeed's fp32 copy of the partition this rank updates (master weights)
@@ -636,11 +638,15 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         )
         parts.optimizer_tensor_factor = group_partition / largest_param
     fp32_partition = 4 * -(-Pt // W) if train and Pt else 0
+    # the module's parameters: b bytes each, but for 16-bit ones in an fp32 module
+    narrow = sum(p.numel for p in params if p.itemsize < b)
     model_params = b * (P if stage < 3 else persistent + -(-partitioned // W))
+    model_params -= (b - 2) * (narrow if stage < 3 else -(-narrow // W))
     model_grads = (b * (Pt if stage == 1 else -(-Pt // W))) if train else 0
     master = 4 * -(-Pt // W) if train else 0
     state = _sharded_state_bytes(trace, parts.state_shard) if train else 0
     paper_params = b * (P if stage < 3 else -(-P // W))
+    paper_params -= (b - 2) * (narrow if stage < 3 else -(-narrow // W))
     implementation = {
         "fp32_gradient_partition": fp32_partition,
         "persistent_parameters": model_params - paper_params,
@@ -810,19 +816,26 @@ def _fsdp_parts(trace: StepTrace, spec: StepSpec, W: int) -> _Parts:
     late = _blocks_reduced_at_the_end(trace)
     for p in params:
         rows = shard_rows(p.shape, W)
-        sharded_params += rows
-        parts.resident[p.alloc] = ((4 * rows, pcat),)
-        # a block's gradients are reduce-scattered to fp32 shards as its backward ends; the
-        # root's (and those of a block whose backward has no end marker: the embeddings)
-        # wait for the end of backward, whole and in the compute dtype
+        # a shard keeps its parameter's dtype (fp32 master weights; a frozen base held in 16
+        # bits stays 16-bit), and so does its gradient shard
+        sharded_params += rows * p.itemsize
+        parts.resident[p.alloc] = ((p.itemsize * rows, pcat),)
+        # a block's gradients are reduce-scattered to shards as its backward ends; the root's
+        # (and those of a block whose backward has no end marker: the embeddings) wait for the
+        # end of backward, whole and in the compute dtype
         whole = p.block < 0 or p.block in late
-        parts.param_sizes.append((4 * rows, c * rows * W if whole else 4 * rows))
+        compute = min(c, p.itemsize)
+        parts.param_sizes.append(
+            (p.itemsize * rows, compute * rows * W if whole else p.itemsize * rows)
+        )
         if whole and p.trainable:
             reduced_at_the_end += rows * W
         parts.state_shard.append(rows / max(1, p.numel))
         if p.trainable:
             sharded_trainable += rows
-        unsharded = rows * W  # the all-gather output is padded too
+        # the all-gather output is padded too; counted in elements of the compute dtype (a
+        # 16-bit weight in an fp32 step is gathered in 16 bits: half an fp32 element each)
+        unsharded = -(-rows * W * compute // c)
         if p.block < 0:
             root += unsharded
         else:
@@ -843,10 +856,10 @@ def _fsdp_parts(trace: StepTrace, spec: StepSpec, W: int) -> _Parts:
         "compute_bytes_per_parameter": c,
         "forward_prefetch": spec.device == "cuda",
     }
-    grads = 4 * sum(shard_rows(p.shape, W) for p in params if p.trainable) if train else 0
+    grads = sum(p.itemsize * shard_rows(p.shape, W) for p in params if p.trainable) if train else 0
     state = _sharded_state_bytes(trace, parts.state_shard) if train else 0
     parts.details["model_state"] = _model_state(
-        4 * sharded_params,
+        sharded_params,
         grads,
         state,
         {},
@@ -933,6 +946,8 @@ def _paper_applies(spec: StepSpec, P: int, Pt: int) -> bool:
         and spec.precision != "fp32"
         and spec.optimizer == "adamw"
         and all_trained
+        # fp32 master weights: pure 16-bit training keeps none
+        and spec.weights_dtype in ("auto", "fp32")
     )
 
 

@@ -35,6 +35,12 @@ class StepSpec:
     # cached-mnrl only: the batch holds this many mini-batches of ``batch_size`` rows each (the
     # estimator traces two and adds the rest exactly; real runs use the true count)
     cached_chunks: int = 2
+    # the dtype frozen weights are held in ("auto": the checkpoint's; "fp32", "bf16", "fp16"); with
+    # "bf16"/"fp16" the trainable weights too (pure 16-bit training: weights, gradients, state)
+    weights_dtype: str = "auto"
+    # the causal-LM token loss: "standard" (full logits) or "fused-linear" (chunked from the last
+    # hidden states and the head's weight, the logits never whole)
+    cross_entropy: str = "standard"
     # CUDA only: the SM version whose SDPA kernels the estimate emulates (75 for a T4). 80 stands
     # for every sm80+ GPU (flash and memory-efficient attention); below it there is no flash
     # attention, below 50 no memory-efficient attention either (see memfit.estimate.sdpa_emulation)

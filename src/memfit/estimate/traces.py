@@ -24,6 +24,7 @@ import torch
 
 from memfit import progress
 from memfit.devices.profiles import CudaProfile, cuda_profile
+from memfit.errors import UsageError
 from memfit.estimate import cache, workload
 from memfit.estimate import depth as depth_
 from memfit.estimate.cuda_modes import trace_modes
@@ -327,6 +328,8 @@ def trace_model(
             }
         except depth_.NotRepeating as exc:
             reason = f"the layers do not repeat: {exc}"
+        except UsageError:
+            raise  # the job's own problem (a loss the model's head refuses): the whole model's too
         except Exception as exc:  # a config that cannot be cut short, a shallow model that fails
             reason = f"a shallow copy could not be traced ({type(exc).__name__}: {exc})"
     progress.report(f"tracing all {layers} layers ({len(shapes)} shapes)")

@@ -26,6 +26,7 @@ from memfit.estimate.attention import config_attention
 from memfit.estimate.step_spec import PRECISION_DTYPES, StepSpec
 from memfit.estimate.task_model import BiEncoder, lora_head_modules
 from memfit.extras import require
+from memfit.step import weights
 
 # sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
 MNRL_SCALE = 20.0
@@ -43,7 +44,7 @@ def build_model(
     # start-up: transformers takes a second or more to import; only building a model needs it
     import transformers
 
-    config = _task_config(config, spec)
+    checkpoint_config, config = config, _task_config(config, spec)
     if spec.task == "classification":
         model = transformers.AutoModelForSequenceClassification.from_config(config)
     elif spec.task == "causal-lm":
@@ -58,7 +59,8 @@ def build_model(
         raise ValueError(f"unknown task {spec.task!r}")
     if spec.quantization != "none":
         # QLoRA: the base weights as bitsandbytes holds them (emulated on the meta device), the
-        # rest upcast to fp32 by peft's prepare_model_for_kbit_training
+        # rest upcast to fp32 by peft's prepare_model_for_kbit_training (held in the frozen
+        # dtype again below, as memfit train does)
         model = quantized.quantize_model(model, spec)
     if spec.gradient_checkpointing:
         target: Any = model.transformer if isinstance(model, BiEncoder) else model
@@ -85,8 +87,26 @@ def build_model(
         if spec.quantization != "none":
             # peft's bitsandbytes LoRA layers' forward on the emulated quantized layers
             quantized.adopt_lora_layers(model)
+    place_weights(model, checkpoint_config, spec)
+    # what only the built model shows (the config's problems are refused before any build): a
+    # head the fused loss cannot take, such as one LoRA adapts or a quantizer packs
+    fused = spec.task == "causal-lm" and spec.cross_entropy == "fused-linear"
+    if fused and (problem := step.fused_linear_problem(model)):
+        raise UsageError(problem)
     model.train(spec.mode == "train")
     return model
+
+
+def place_weights(model: nn.Module, config: Any, spec: StepSpec) -> None:
+    """Hold the frozen and the trained weights in the dtypes of ``--weights-dtype``
+    (:mod:`memfit.step.weights`, what memfit train does after LoRA and QLoRA's preparation):
+    a frozen base in the checkpoint's dtype under ``auto``, LoRA adapters in fp32 over it, or
+    all of it in 16 bits for pure 16-bit training."""
+    frozen, trainable = weights.weight_dtypes(config, spec.weights_dtype)
+    weights.place_weights(model, frozen, trainable, cast_inputs=spec.precision == "fp32")
+    if spec.quantization != "none":
+        # Linear4bit casts its bias to the compute dtype at its first forward, for good
+        quantized.restore_bias_dtypes(model, spec)
 
 
 LORA_TASK_TYPES = {
@@ -288,14 +308,20 @@ def _task_config(config: Any, spec: StepSpec) -> Any:
     (:mod:`memfit.estimate.attention`), a classifier's labels and pad token, no key/value cache."""
     config = config.__class__.from_dict(config.to_dict())
     config._attn_implementation = config_attention(config, spec)
-    # fp32 weights, as memfit train loads them (mixed precision keeps fp32 master weights): a
-    # published config's dtype (bfloat16 for today's decoders) is the checkpoint's storage, which
-    # transformers 5 would otherwise build the model in
+    # the dtype memfit train loads the model in (memfit.step.weights): a frozen base (LoRA,
+    # QLoRA) in the frozen dtype (under auto the checkpoint's: config.dtype, bfloat16 for
+    # today's decoders), a fully trained model in the trained dtype (fp32 master weights under
+    # mixed precision, 16 bits for pure 16-bit training); transformers 5 builds it in config.dtype
+    dtype = weights.load_dtype(
+        config,
+        spec.weights_dtype,
+        frozen_base=bool(spec.lora_rank) or spec.quantization != "none",
+    )
     for text in {
         id(config): config,
         id(config.get_text_config()): config.get_text_config(),
     }.values():
-        text.dtype = torch.float32
+        text.dtype = dtype
     if spec.task == "classification":
         config.num_labels = spec.num_labels
         text = config.get_text_config()
@@ -461,8 +487,15 @@ def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> tor
         labels = batch["labels"]
         # every token but each row's first is a target (the count only scales the loss)
         units = labels.size(0) * max(labels.size(1) - 1, 1)
+        # fused-linear: memfit's chunked loss (on a CUDA target it stands for Liger's kernel,
+        # which allocates the same chunks)
         return step.causal_lm_loss(
-            model, batch["input_ids"], batch["attention_mask"], labels, units=units
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            labels,
+            units=units,
+            cross_entropy=spec.cross_entropy,
         )
     loss = "mnrl" if spec.loss == "cached-mnrl" else spec.loss
     if loss in step.SENTENCE_LOSSES and _sentence_transformers():

@@ -11,11 +11,17 @@ weights (QLoRA): bitsandbytes' ``BitsAndBytesConfig`` is the ``quantization_conf
 ``from_pretrained``, which no ``TrainingArguments`` field sets; plan them with ``memfit plan
 --allow lora,quantization`` and load the model with it yourself. The paged optimizers are
 ``TrainingArguments.optim`` values (``paged_adamw_8bit``, ``paged_adamw_32bit``) and are applied.
+A causal LM's fused linear cross-entropy is Liger Kernel's, through ``use_liger_kernel`` with a
+``liger_kernel_config`` that patches only the loss (the step memfit estimated), planned only where
+it runs (liger-kernel installed, a CUDA GPU, a model type Liger patches); pure bf16 weights are
+the model's dtype, which TRL's configs set through ``model_init_kwargs`` when their trainer loads
+the model by name, and which is otherwise said, for the caller to load a loaded model so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import tempfile
@@ -27,6 +33,7 @@ from typing import Any
 from memfit import levers
 from memfit.errors import NothingFitsError, UsageError
 from memfit.job import TASKS
+from memfit.levers import weights
 from memfit.levers.optimizer import OPTIMIZER_TABLE
 from memfit.units import format_bytes
 
@@ -106,6 +113,18 @@ def _model_reference(model: Any, folder: Path) -> str:
     return str(folder)
 
 
+def _model_config(reference: str) -> Any:
+    """The config of the model ``reference`` names (None: unknown here; the plan says why)."""
+    # the model registry imports transformers, which importing memfit.integrations must not:
+    # here for start-up time
+    from memfit.models import resolve_model
+
+    try:
+        return resolve_model(reference).config
+    except UsageError:
+        return None
+
+
 def _guess_task(model: Any, reference: str) -> str | None:
     task = _task_of(type(model).__name__) if not isinstance(model, str | Path) else None
     if task is not None:
@@ -127,19 +146,27 @@ def _guess_task(model: Any, reference: str) -> str | None:
 
 
 def _wanted(
-    args: Any, settings: dict[str, Any], base_optimizer: str, per_rank: int
+    args: Any, settings: dict[str, Any], own: dict[str, Any], per_rank: int
 ) -> dict[str, Any]:
-    """The ``TrainingArguments`` fields the plan's ``settings`` set (``per_rank``: samples per
-    device per optimizer step)."""
+    """The ``TrainingArguments`` fields the plan's ``settings`` set (``own``: the job's own
+    values the arguments and the model already say; ``per_rank``: samples per device per
+    optimizer step)."""
     names = {f.name for f in dataclasses.fields(args)}
     # every lever's names in the Hugging Face vocabulary; what the arguments already say (their
-    # own optimizer, however spelled) is left as it is
-    kept = levers.trainer_args({"optimizer": base_optimizer})
+    # own optimizer, however spelled; their own Liger setup; the model's own dtype) is left as
+    # it is
+    kept = levers.trainer_args(own)
     wanted = {
         name: value
         for name, value in levers.trainer_args(settings).items()
         if name in names and kept.get(name, _UNSET) != value
     }
+    if isinstance(wanted.get("model_init_kwargs"), dict):
+        # TRL's keywords for from_pretrained: the plan's dtype joins what the arguments hold
+        wanted["model_init_kwargs"] = {
+            **(getattr(args, "model_init_kwargs", None) or {}),
+            **wanted["model_init_kwargs"],
+        }
     # transformers 5.2x renamed gradient_checkpointing (now a deprecated alias, overwritten by the
     # new name when the arguments are copied) to activation_checkpointing
     if "activation_checkpointing" in names and "gradient_checkpointing" in wanted:
@@ -149,6 +176,65 @@ def _wanted(
         wanted["per_device_train_batch_size"] = per_rank
         wanted["gradient_accumulation_steps"] = 1
     return wanted
+
+
+# the model types whose causal LM Liger Kernel patches with its fused linear cross-entropy (the
+# keys of liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN, read at
+# liger-kernel 0.8.2, the text models): the Trainer's use_liger_kernel patches nothing else
+# (GPT-2, BERT: Liger logs that it has no kernels for the type, and the standard loss runs). The
+# installed liger-kernel's own table is read when there is one.
+LIGER_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text",
+        "gemma4", "gemma4_text", "glm4", "gpt_oss", "granite", "hunyuan_v1_dense",
+        "hunyuan_v1_moe", "llama", "llama4", "llama4_text", "ministral", "mistral", "mixtral",
+        "nemotron", "olmo2", "olmo3", "phi3", "qwen2", "qwen3", "qwen3_moe", "qwen3_next",
+        "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "smollm3",
+    }
+)  # fmt: skip
+
+
+def liger_model_types() -> frozenset[str]:
+    """The model types Liger Kernel patches: the installed liger-kernel's table, else
+    :data:`LIGER_MODEL_TYPES`."""
+    if not _liger_installed():
+        return LIGER_MODEL_TYPES
+    try:
+        # optional: the liger extra (imports Triton); its table is the truth for its version
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # a broken install: what memfit knows instead
+        return LIGER_MODEL_TYPES
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def own_cross_entropy(args: Any, config: Any) -> str | None:
+    """The causal-LM loss the Trainer runs with ``args`` on a model of ``config``, where the plan
+    may not choose it; None: the plan chooses (Liger's fused linear cross-entropy would run).
+
+    - ``use_liger_kernel`` given: Liger's fused loss when ``liger_kernel_config`` leaves
+      ``fused_linear_cross_entropy`` on (the default) and Liger patches the model's type;
+      otherwise the standard loss (the Trainer applies no fused loss to a type Liger lacks).
+    - Not given: ``standard`` where the fused loss would not run: liger-kernel not installed,
+      arguments on the CPU (Liger's kernels need CUDA), or a model type Liger does not patch.
+    """
+    patched = getattr(config, "model_type", None) in liger_model_types()
+    if getattr(args, "use_liger_kernel", False):
+        liger = getattr(args, "liger_kernel_config", None) or {}
+        fused = liger.get("fused_linear_cross_entropy", True)
+        return "fused-linear" if fused and patched else "standard"
+    if not (_liger_installed() and _on_cuda(args) and patched):
+        return "standard"
+    return None
+
+
+def _on_cuda(args: Any) -> bool:
+    """Whether the arguments train on a CUDA GPU (where Liger's Triton kernels run)."""
+    return not getattr(args, "use_cpu", False) and args.device.type == "cuda"
+
+
+def _liger_installed() -> bool:
+    """Whether liger-kernel is installed (the Trainer's ``use_liger_kernel`` imports it)."""
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def apply_plan(
@@ -163,6 +249,8 @@ def apply_plan(
     loss: str | None = None,
     allow: Iterable[str] = (),
     precision: str | None = None,
+    weights_dtype: str | None = None,
+    cross_entropy: str | None = None,
     safety_margin: float = 0.05,
 ) -> PlannedArguments:
     """Plan the job for a memory budget and write the plan into a copy of ``args``.
@@ -173,8 +261,19 @@ def apply_plan(
     else the free memory of this machine's GPU. ``precision`` pins ``fp32``/``bf16``/``fp16``;
     when the arguments run on the CPU it defaults to ``fp32`` (the plan would otherwise pick the
     budget GPU's mixed precision). ``allow`` may hold ``"optimizer"`` (8-bit AdamW, a paged AdamW
-    or Adafactor through ``optim``); ``"lora"``, ``"truncation"`` and ``"quantization"`` are
-    refused (they are not ``TrainingArguments``). Raises :class:`~memfit.errors.UsageError` for bad input (no budget on a
+    or Adafactor through ``optim``) and ``"pure-16bit"`` (pure bf16 weights: for a
+    ``model`` given by name TRL's ``model_init_kwargs``, refused for arguments without them; for
+    a loaded model said in ``changes``, for you to load it so); ``"lora"``, ``"truncation"`` and
+    ``"quantization"`` are refused (they are not ``TrainingArguments``).
+
+    ``weights_dtype`` pins the weights' dtype (``auto``: the checkpoint's; ``fp32``; ``bf16``/
+    ``fp16``: pure 16-bit); not given, a model object's own (its weights all in one dtype) is
+    kept. ``cross_entropy`` pins a causal LM's loss (``standard`` or ``fused-linear``); not given,
+    arguments with ``use_liger_kernel`` keep their own, and the plan keeps the standard loss where
+    Liger's would not run (liger-kernel not installed, arguments on the CPU, a model type Liger
+    does not patch: :func:`own_cross_entropy`); else the plan may choose Liger's fused linear
+    cross-entropy (``use_liger_kernel`` and a ``liger_kernel_config`` that patches only the
+    loss). Raises :class:`~memfit.errors.UsageError` for bad input (no budget on a
     machine without a GPU, an unknown model) and :class:`~memfit.errors.NothingFitsError` when
     no configuration fits, with what would help.
     """
@@ -183,18 +282,28 @@ def apply_plan(
     from memfit.plan import plan as make_plan
 
     allowed = [a.strip().lower() for a in allow if a.strip()]
+    # the arguments' fields, for a lever some of them set (TRL's model_init_kwargs); the refusal
+    # comes before anything else of the arguments is read
+    names = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set()
+    # pure 16-bit weights are the model's dtype: a model given by name loads in it through TRL's
+    # model_init_kwargs (refused without them); a loaded model is the caller's to load so, which
+    # the plan says in its changes, whatever the arguments
+    loaded = not isinstance(model, str | Path)
     outside = [
         levers.BY_NAME[a]
         for a in allowed
-        if a in levers.BY_NAME and not levers.BY_NAME[a].in_training_arguments
+        if a in levers.BY_NAME
+        and not levers.BY_NAME[a].in_training_arguments
+        and not (names & set(levers.BY_NAME[a].argument_fields))
+        and not (loaded and levers.BY_NAME[a] is weights.LEVER)
     ]
     if outside:
         elsewhere = [lever.name for lever in outside]
-        notes = "; ".join(lever.outside_note for lever in outside if lever.outside_note)
+        where = "; ".join(lever.outside_note for lever in outside if lever.outside_note)
         raise UsageError(
             f"apply_plan: allow: {', '.join(elsewhere)} change the model or the tokenizer, not "
             "TrainingArguments"
-            + (f" ({notes})" if notes else "")
+            + (f" ({where})" if where else "")
             + f"; plan them with `memfit plan --allow {','.join(elsewhere)}` and apply them "
             "yourself, or leave them out"
         )
@@ -205,6 +314,13 @@ def apply_plan(
     effective *= world_size
     if precision is None and args.device.type == "cpu":
         precision = "fp32"  # the CPU has no fp16 loss scaling; bf16 autocast on it is slow
+    notes: list[str] = []
+    if weights_dtype is None:
+        # the reader imports torch and transformers, which importing memfit.integrations must
+        # not: here for start-up time
+        from memfit.integrations._weights import model_weights_dtype
+
+        weights_dtype = model_weights_dtype(model)
     with tempfile.TemporaryDirectory(prefix="memfit-plan-") as scratch:
         reference = _model_reference(model, Path(scratch))
         # messages name what the user passed, not the scratch folder of an in-memory config
@@ -215,9 +331,14 @@ def apply_plan(
                 f"apply_plan: task: cannot tell the task of {type(model).__name__}; pass "
                 f"task= one of {', '.join(TASKS)}"
             )
+        config = _hf_config(model) if loaded else None
         if num_labels is None:
-            config = _hf_config(model) if not isinstance(model, str | Path) else None
             num_labels = int(getattr(config, "num_labels", 2) or 2)
+        if cross_entropy is None and resolved_task == "causal-lm":
+            # the loss the Trainer would run: Liger's fused loss only where it patches the model
+            if config is None:
+                config = _model_config(reference)
+            cross_entropy = own_cross_entropy(args, config)
         try:
             result = make_plan(
                 reference,
@@ -233,6 +354,9 @@ def apply_plan(
                 safety_margin=safety_margin,
                 num_labels=num_labels,
                 optimizer=base_optimizer,
+                weights_dtype=weights_dtype,
+                # the loss pin is a causal LM's (the plan refuses it for other tasks)
+                cross_entropy=cross_entropy if resolved_task == "causal-lm" else None,
             )
         except UsageError as exc:
             text = str(exc)
@@ -250,7 +374,31 @@ def apply_plan(
             f"configuration needs is {format_bytes(result.min_required_bytes)}). {hints}".strip()
         )
     settings = result.chosen.settings()
-    wanted = _wanted(args, settings, base_optimizer, effective // world_size)
+    own = {
+        "optimizer": base_optimizer,
+        "weights_dtype": weights_dtype,
+        "cross_entropy": cross_entropy,
+    }
+    wanted = _wanted(args, settings, own, effective // world_size)
+    chosen_dtype = settings.get("weights_dtype")
+    if chosen_dtype not in (None, "auto", weights_dtype):
+        # the model's dtype is where it is loaded: TRL's trainer loads a model given by name
+        # with model_init_kwargs; a model loaded already is the caller's to convert
+        torch_name = weights.TORCH_NAMES[chosen_dtype]
+        if "model_init_kwargs" in wanted and isinstance(model, str | Path):
+            notes.append(
+                f"the weights in {chosen_dtype} (pure 16-bit, allowed): model_init_kwargs "
+                f"dtype {torch_name} loads them so"
+            )
+        else:
+            wanted.pop("model_init_kwargs", None)
+            notes.append(
+                f"load the model in {chosen_dtype} yourself (pure 16-bit, allowed): "
+                f"from_pretrained(..., dtype=torch.{torch_name}) or model.to(torch.{torch_name}); "
+                "no field of these arguments sets it"
+            )
+    else:
+        wanted.pop("model_init_kwargs", None)
     mini_batch_size = settings.get("mini_batch_size")
     changes: dict[str, Any] = {}
     described: list[str] = []
@@ -262,6 +410,11 @@ def apply_plan(
             described.append(f"{name} {old_plain} → {value}")
     if settings.get("loss") == "cached-mnrl":
         described.append(f"loss → cached MNRL with mini_batch_size {mini_batch_size}")
+    if "use_liger_kernel" in changes:
+        described.append(
+            "Liger Kernel's fused linear cross-entropy only (needs liger-kernel and a CUDA GPU)"
+        )
+    described += notes
     new_args = dataclasses.replace(args, **changes) if changes else args
     return PlannedArguments(
         args=new_args,

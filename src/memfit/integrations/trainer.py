@@ -24,7 +24,8 @@ from transformers import Trainer
 
 from memfit.errors import UsageError
 from memfit.integrations._guard import TrainerGuardMixin
-from memfit.integrations.plan import PlannedArguments, apply_plan
+from memfit.integrations._weights import model_weights_dtype
+from memfit.integrations.plan import PlannedArguments, apply_plan, own_cross_entropy
 
 logger = logging.getLogger("memfit.integrations")
 
@@ -40,14 +41,17 @@ def plan_trainer_arguments(
     ``request`` is ``apply_plan``'s keywords (``{"seq_len": 128, "gpu_memory": "16GiB"}``), or
     True for no keywords (then the budget is this machine's GPU; ``seq_len`` is still needed).
     """
-    options = dict(defaults) | ({} if request is True else dict(request or {}))
+    model = positional[0] if positional else keywords.get("model")
+    args = positional[1] if len(positional) > 1 else keywords.get("args")
+    # the step the Trainer will run: the weights as the model holds them, Liger's loss if asked
+    # (what the request names wins)
+    found = step_knobs(model, args) if model is not None and args is not None else {}
+    options = found | dict(defaults) | ({} if request is True else dict(request or {}))
     if "seq_len" not in options:
         raise UsageError(
             "memfit_plan: seq_len: the plan needs the longest sequence a batch holds, e.g. "
             "memfit_plan={'seq_len': 128, 'gpu_memory': '16GiB'}"
         )
-    model = positional[0] if positional else keywords.get("model")
-    args = positional[1] if len(positional) > 1 else keywords.get("args")
     if model is None or args is None:
         raise UsageError(
             "memfit_plan: needs the model and its TrainingArguments: pass model= and args="
@@ -59,6 +63,35 @@ def plan_trainer_arguments(
     else:
         keywords = {**keywords, "args": planned.args}
     return positional, keywords, planned
+
+
+def step_knobs(model: Any, args: Any) -> dict[str, str]:
+    """The job knobs of the step a Trainer runs on ``model`` with ``args`` that the model and the
+    arguments say, not the job's defaults: ``weights_dtype`` from the dtypes the model holds,
+    ``cross_entropy`` from ``use_liger_kernel``.
+
+    - Weights: :func:`memfit.integrations._weights.model_weights_dtype` (trained weights all in
+      16 bits are pure 16-bit training: the Trainer trains a model loaded in bf16 so).
+    - Loss: ``use_liger_kernel`` patches a causal LM with Liger's fused linear cross-entropy
+      unless ``liger_kernel_config`` turns ``fused_linear_cross_entropy`` off (on by default)
+      or Liger has no patch for the model's type (GPT-2: the Trainer then runs the standard
+      loss; :func:`memfit.integrations.plan.own_cross_entropy`).
+    """
+    found: dict[str, str] = {}
+    dtype = model_weights_dtype(model)
+    if dtype is not None:
+        found["weights_dtype"] = dtype
+    if getattr(args, "use_liger_kernel", False) and _causal_lm(model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if own_cross_entropy(args, getattr(base, "config", None)) == "fused-linear":
+            found["cross_entropy"] = "fused-linear"
+    return found
+
+
+def _causal_lm(model: Any) -> bool:
+    """Whether ``model`` is a causal LM (Liger's fused loss patches those only)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 class GuardedTrainer(TrainerGuardMixin, Trainer):
@@ -79,6 +112,8 @@ class GuardedTrainer(TrainerGuardMixin, Trainer):
         memfit_plan: keywords for :func:`~memfit.integrations.apply_plan` (``seq_len`` is
             required; ``gpu_memory``/``gpu`` the budget): the plan's micro-batch, accumulation,
             precision and checkpointing are written into ``args`` before the Trainer reads them.
+            The plan prices the step this Trainer runs: the model's weights in the dtypes it
+            holds them in, Liger's fused loss with ``use_liger_kernel`` (:func:`step_knobs`).
             The result is ``self.memfit_plan``.
     Not guarded: an OOM in the optimizer step (it holds weights, gradients and optimizer state
     whatever the micro-batch) and multi-process training (one rank's OOM would have to become

@@ -24,6 +24,7 @@ from memfit.levers import (
     attention,
     batch,
     checkpointing,
+    cross_entropy,
     lora,
     mini_batch,
     optimizer,
@@ -31,6 +32,7 @@ from memfit.levers import (
     quantization,
     sharding,
     truncation,
+    weights,
 )
 from memfit.levers.base import Lever
 
@@ -44,7 +46,9 @@ LEVERS: tuple[Lever, ...] = tuple(
             precision.LEVER,
             checkpointing.LEVER,
             attention.LEVER,
+            cross_entropy.LEVER,
             optimizer.LEVER,
+            weights.LEVER,
             truncation.LEVER,
             lora.LEVER,
             quantization.LEVER,

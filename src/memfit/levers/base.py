@@ -28,6 +28,9 @@ class Room:
     allowed: tuple[str, ...] = ()
     mixed_precision: str = "bf16"
     percentile: Callable[[float], int] | None = None
+    fused_loss_problem: str | None = None
+    """Why a fused linear cross-entropy cannot compute the model's loss (its head scales the
+    logits: :func:`memfit.step.fused_linear_config_problem`); None: it can."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class Lever:
     in_training_arguments: ClassVar[bool] = True
     """Whether Hugging Face ``TrainingArguments`` can set the lever (``apply_plan`` sets it
     there); False: it changes the model or the tokenizer, which ``apply_plan`` leaves to the user."""
+    argument_fields: ClassVar[tuple[str, ...]] = ()
+    """Fields of some ``TrainingArguments`` subclasses that set a lever not in
+    ``TrainingArguments`` itself (TRL's ``model_init_kwargs``): ``apply_plan`` sets it through
+    them when the arguments have one."""
     outside_note: ClassVar[str] = ""
     """Where the lever is set instead, when not in ``TrainingArguments`` (``apply_plan``'s
     refusal says it)."""
@@ -176,6 +183,12 @@ class Lever:
         """Seconds the lever's ``values`` add to each pass over the weights (forward, backward,
         recomputed forward) that no FLOP count shows, on ``gpu`` for a model of ``shape``
         (:class:`memfit.plan.cost.ModelShape`); the plan's cost model adds them up. 0: none."""
+        return 0.0
+
+    def micro_seconds(self, values: Mapping[str, Any], shape: Any, gpu: Any, tokens: int) -> float:
+        """Seconds the lever's ``values`` add to each micro-batch of ``tokens`` tokens (what
+        depends on the tokens, not on the passes over the weights: a loss computed in chunks);
+        the plan's cost model adds them up. 0: none."""
         return 0.0
 
     def time_words(self, values: Mapping[str, Any]) -> str | None:

@@ -56,6 +56,12 @@ class Patient:
     """The catalog GPU the message's capacity names (None: none, or several, or not a GPU)."""
     gpu_mixed_precision: str | None = None
     """That GPU's mixed precision (bf16, else fp16)."""
+    checkpoint_dtype: str | None = None
+    """The dtype the model's checkpoint holds its weights in (fp32, bf16, fp16; None: unknown):
+    what ``--weights-dtype auto`` holds frozen weights in."""
+    fused_loss_problem: str | None = None
+    """Why a fused linear cross-entropy cannot compute the model's loss (its head scales the
+    logits: :func:`memfit.step.fused_linear_config_problem`); None: it can, or unknown."""
     loss: str | None = None
     """The job's loss by its canonical name."""
     in_batch_negatives: bool = False

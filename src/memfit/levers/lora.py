@@ -35,7 +35,7 @@ class Lora(Lever):
     in_training_arguments: ClassVar[bool] = False
     knobs: ClassVar[type] = LoraKnobs
     allow: ClassVar[bool] = True
-    tier: ClassVar[int] = 3
+    tier: ClassVar[int] = 4
     summary: ClassVar[str] = "LoRA adapters on a frozen base (peft)"
     # a rank the job gives is the job: a plan keeps it as given (the targets are LoRA's default)
     pins: ClassVar[tuple[str, ...]] = ("lora_rank",)

@@ -69,7 +69,7 @@ class Quantization(Lever):
     )
     knobs: ClassVar[type] = QuantizationKnobs
     allow: ClassVar[bool] = True
-    tier: ClassVar[int] = 4
+    tier: ClassVar[int] = 5
     summary: ClassVar[str] = "quantized base weights under LoRA (QLoRA)"
     # the job's own base weights are the job: a plan keeps them as given
     pins: ClassVar[tuple[str, ...]] = ("quantization", "double_quant")
@@ -228,11 +228,14 @@ class Quantization(Lever):
         double = " with double quantization" if info.get("double_quant") else ""
         kept = ", ".join(info.get("kept_modules") or ()) or "none"
         compute = f", computing in {info['compute_dtype']}" if scheme != "int8" else ""
+        # the unquantized layers are frozen: held in the frozen weights' dtype (details["weights"])
+        weights = details.get("weights")
+        held = weights.get("frozen") if isinstance(weights, dict) else None
         return [
             f"base weights: {scheme}{double} (bitsandbytes){compute}: "
             f"{format_bytes(int(info.get('quantized_bytes') or 0))} for "
             f"{int(info.get('quantized_parameters') or 0):,} quantized parameters; "
-            f"kept unquantized (fp32): {kept}"
+            f"kept unquantized ({held or 'fp32'}): {kept}"
         ]
 
     def cure(self, patient: Patient) -> Fix | None:

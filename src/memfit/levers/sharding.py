@@ -35,7 +35,7 @@ class ShardingKnobs:
 class Sharding(Lever):
     name: ClassVar[str] = "sharding"
     knobs: ClassVar[type] = ShardingKnobs
-    tier: ClassVar[int] = 5
+    tier: ClassVar[int] = 6
     summary: ClassVar[str] = "more GPUs, the model's memory sharded over them (ZeRO, FSDP)"
 
     def problems(self, job: Job) -> list[str]:

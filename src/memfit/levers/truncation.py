@@ -38,7 +38,7 @@ class Truncation(Lever):
     in_training_arguments: ClassVar[bool] = False
     knobs: ClassVar[type] = TruncationKnobs
     allow: ClassVar[bool] = True
-    tier: ClassVar[int] = 2
+    tier: ClassVar[int] = 3
     summary: ClassVar[str] = "truncation (rows cut to fewer tokens)"
 
     def plan_options(self, room: Room) -> tuple[dict[str, Any], ...]:

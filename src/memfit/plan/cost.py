@@ -18,6 +18,9 @@ Two costs in time no FLOP count shows:
   (:meth:`memfit.levers.base.Lever.pass_seconds`, added up): 4-bit base weights (QLoRA) are
   dequantized on every pass, memory-bound and whatever the tokens; the quantization lever states
   the model and its fit (:mod:`memfit.levers.quantization`).
+* **What a lever adds to each micro-batch by its tokens**
+  (:meth:`memfit.levers.base.Lever.micro_seconds`): a fused linear cross-entropy reads the head's
+  weight once per chunk of tokens (:mod:`memfit.levers.cross_entropy` states the model).
 * **Paged optimizers** (bitsandbytes' paged AdamW): their state lives in CUDA unified memory,
   outside PyTorch's allocator, and the driver evicts it to host memory when the GPU runs short.
   Resident, an update streams what its unpaged twin does; a plan only needs a paged optimizer
@@ -41,6 +44,7 @@ from memfit.devices.catalog import Gpu
 from memfit.estimate import quantized, workload
 from memfit.levers import LEVERS
 from memfit.levers.optimizer import OPTIMIZER_TABLE
+from memfit.step import linear_ce, weights
 
 E_MAX = 0.6  # the share of peak FLOP/s large transformer matmuls reach
 T_HALF = 1024  # tokens per micro-batch at which half of E_MAX is reached
@@ -77,6 +81,18 @@ class ModelShape:
     # plus what trains beside them, such as a classification head)
     lora_fixed: int = 0
     lora_per_rank: int = 0
+    # a language model's vocabulary (its output head's rows); 0: no token head (a fused loss
+    # chunks that head: :meth:`memfit.levers.cross_entropy.CrossEntropy.micro_seconds`)
+    vocab: int = 0
+    # bytes per weight of the checkpoint's dtype: what ``--weights-dtype auto`` holds a frozen
+    # base (and a frozen head, which the fused loss reads) in
+    checkpoint_bytes: int = 4
+
+    def loss_chunks(self, tokens: int) -> int:
+        """The chunks a fused linear cross-entropy cuts ``tokens`` rows into over this model's
+        head (:func:`memfit.step.linear_ce.chunk_rows`, Liger's rule: the step's one copy of
+        it, which the levers cannot import)."""
+        return -(-tokens // linear_ce.chunk_rows(tokens, self.vocab, self.hidden))
 
     def trainable(self, lora_rank: int | None) -> int:
         """Parameters the optimizer updates: all, or under LoRA the adapters' (and the head's)."""
@@ -146,7 +162,18 @@ def model_shape(config: Any, spec: Any, *, lora: bool = False) -> ModelShape:
         getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
     )
     hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 1)
-    return ModelShape(matmul, trainable, layers, hidden, quantizable, lora_fixed, per_rank)
+    vocab = int(getattr(config, "vocab_size", 0) or 0) if spec.task == "causal-lm" else 0
+    return ModelShape(
+        matmul,
+        trainable,
+        layers,
+        hidden,
+        quantizable,
+        lora_fixed,
+        per_rank,
+        vocab=vocab,
+        checkpoint_bytes=weights.checkpoint_dtype(config).itemsize,
+    )
 
 
 def flops_per_sample(
@@ -214,6 +241,11 @@ def samples_per_second(
     # weights are dequantized on every one
     per_pass = sum(lever.pass_seconds(values or {}, shape, gpu) for lever in LEVERS)
     micro_seconds += chunks * columns * passes * per_pass
+    # and what they add to each micro-batch by its tokens (a loss computed in chunks)
+    tokens = rows_at_once * seq_len * columns
+    micro_seconds += chunks * sum(
+        lever.micro_seconds(values or {}, shape, gpu, tokens) for lever in LEVERS
+    )
     step_seconds = accumulation_steps * micro_seconds + optimizer_seconds(
         shape, gpu, optimizer, lora_rank if lora else None
     )

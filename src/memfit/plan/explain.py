@@ -12,7 +12,7 @@ from typing import Any
 
 from memfit.devices.catalog import catalog
 from memfit.estimate.sharding import SCHEME_ORDER
-from memfit.levers import ALLOWABLE, LEVERS
+from memfit.levers import ALLOWABLE, LEVERS, weights
 from memfit.levers.base import Chosen
 from memfit.plan import cost
 from memfit.plan.configuration import Candidate, Levers, Plan
@@ -164,8 +164,11 @@ def _precision_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
             )
     if k.precision != "fp32":
         fp32 = job.speed(dataclasses.replace(k, precision="fp32"), micro)
+        # pure 16-bit training (the weights lever) keeps no fp32 master copy
+        dtype = k.values.get("weights_dtype")
+        masters = f"{dtype} weights" if weights.pure(k.values) else "fp32 master weights"
         lines.append(
-            f"{k.precision} mixed precision (fp32 master weights"
+            f"{k.precision} mixed precision ({masters}"
             + (", loss scaling" if k.precision == "fp16" else "")
             + f"): about {base / fp32:.1f}× the throughput of fp32 on the {job.gpu.name}."
         )

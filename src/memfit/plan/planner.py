@@ -5,10 +5,13 @@ Levers, least harmful first:
 1. micro-batch × gradient accumulation (exact for per-sample and per-token losses; for
    in-batch-negative losses the gradient-cached loss instead, which is exact too);
 2. mixed precision (bf16 where the GPU has it, else fp16 with loss scaling), unless pinned;
-3. gradient checkpointing;
-4. only when allowed: an 8-bit AdamW or Adafactor optimizer, truncation, LoRA, quantized base
-   weights under LoRA (QLoRA's recipe: NF4 with double quantization), in that order of harm: a
-   configuration's *tier* is the most harmful lever it uses (:data:`TIERS`). Quantization needs
+3. gradient checkpointing; for a causal LM, a fused linear cross-entropy (the loss from the
+   hidden states and the head's weight chunk by chunk, never the full logits: the same loss and
+   gradients, so it is searched freely);
+4. only when allowed: an 8-bit AdamW or Adafactor optimizer, pure bf16 training (weights,
+   gradients and optimizer state in bf16: small updates round away), truncation, LoRA, quantized
+   base weights under LoRA (QLoRA's recipe: NF4 with double quantization), in that order of harm:
+   a configuration's *tier* is the most harmful lever it uses (:data:`TIERS`). Quantization needs
    LoRA (only adapters train on a quantized base): ``--allow quantization`` comes with
    ``--allow lora`` or a ``--lora-rank``.
 
@@ -20,7 +23,8 @@ plain 8-bit AdamW or Adafactor that fits always wins. Each tier's configurations
 two rounds, those without a paged swap first.
 
 Knobs the job pins (``precision``, and the levers' :attr:`~memfit.levers.base.Lever.pins`: a
-LoRA rank, quantized base weights) are kept as given: they are the job itself, not a lever.
+LoRA rank, quantized base weights, the weights' dtype, the loss) are kept as given: they are the
+job itself, not a lever.
 
 The levers are :data:`memfit.levers.LEVERS`: each says which values a plan tries
 (:meth:`~memfit.levers.base.Lever.plan_options`), which of them needs least memory, and what a
@@ -49,7 +53,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from memfit import levers
+from memfit import levers, step
 from memfit.devices.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.errors import UsageError
 from memfit.estimate import depth, workload
@@ -135,10 +139,12 @@ def plan(
     safety_margin)`` and the effective batch stays ``effective_batch_size`` exactly.
 
     ``pins``: the job's own values of the levers' :data:`PINS` (``lora_rank``, ``quantization``
-    and its double quantization: the job's LoRA adapters and base weights, kept as given); a
+    and its double quantization, ``weights_dtype``, ``cross_entropy``: the job's LoRA adapters,
+    base weights and loss, kept as given); a
     keyword that is none of them is a TypeError, as a function's unknown keyword is. ``allow`` may
-    add ``lora`` (rank 8) and ``quantization`` (QLoRA's NF4 with double quantization; it needs
-    LoRA: ``lora`` allowed too, or a ``lora_rank``).
+    add ``pure-16bit`` (bf16 weights, gradients and state, on a GPU with bf16), ``lora`` (rank
+    8) and ``quantization`` (QLoRA's NF4 with double quantization; it needs LoRA: ``lora``
+    allowed too, or a ``lora_rank``).
 
     ``world_size`` GPUs share the effective batch; ``sharding`` (none | zero1 | zero2 | zero3 |
     fsdp) says how they divide parameters, gradients and optimizer state; the budget is per GPU.
@@ -187,6 +193,11 @@ def plan(
         allowed=tuple(allowed),
         mixed_precision=card.mixed_precision(),
         percentile=None if profile is None else profile.percentile,
+        # a head the fused loss does not model: the plan does not try it (a pinned one is
+        # refused above)
+        fused_loss_problem=step.fused_linear_config_problem(model_spec.config)
+        if task == "causal-lm"
+        else None,
     )
     space = Space.of(room)
     # adapters anywhere in the space: the cost model counts them
@@ -422,6 +433,9 @@ def _problems(
     if model_spec is not None:
         positions = model_spec.max_positions
         late.insert(0, positions_problem("--seq-len", job.seq_len, positions, model_spec.name))
+        if job.task == "causal-lm" and job.cross_entropy == "fused-linear":
+            # the estimate's own refusal, before any estimate is spent
+            late.insert(1, step.fused_linear_config_problem(model_spec.config))
     problems += [p for p in late if p]
     return problems, model_spec, budget, card
 

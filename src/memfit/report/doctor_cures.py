@@ -10,8 +10,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from memfit import levers
+from memfit import levers, step
 from memfit.devices.catalog import Gpu, catalog
+from memfit.errors import UsageError
 from memfit.job import (
     CACHED_LOSSES,
     DEFAULT_MINI_BATCH_SIZE,
@@ -22,8 +23,16 @@ from memfit.job import (
 )
 from memfit.levers.cure import Fix, Patient
 from memfit.report.oom_message import OomReport
+from memfit.step import weights
 
-__all__ = ["Fix", "cures", "gpu_of", "loss_of", "rows_at_once"]
+__all__ = [
+    "Fix",
+    "checkpoint_dtype",
+    "cures",
+    "gpu_of",
+    "loss_of",
+    "rows_at_once",
+]
 
 
 def loss_of(job: Job) -> str:
@@ -39,6 +48,25 @@ def rows_at_once(job: Job) -> int:
     return batch
 
 
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype ``model``'s checkpoint holds its weights in, as ``from_pretrained`` loads them
+    (:func:`memfit.step.weights.checkpoint_dtype`: fp32 when the config names none), by memfit's
+    name; None when the model cannot be resolved."""
+    config = _config(model)
+    return None if config is None else weights.dtype_name(weights.checkpoint_dtype(config))
+
+
+def _config(model: str) -> Any:
+    """``model``'s transformers config, or None when it cannot be resolved."""
+    # start-up time: resolving a model loads transformers' configs, which reading a message needs not
+    from memfit.models import resolve_model
+
+    try:
+        return resolve_model(model).config
+    except UsageError:
+        return None
+
+
 def patient(
     job: Job | None,
     price: Callable[[Mapping[str, Any]], int | None],
@@ -49,6 +77,13 @@ def patient(
     of lengths (from :mod:`memfit.job`), the device and the GPU the message names."""
     card = gpu_of(report)
     loss = loss_of(job) if job is not None else None
+    # the model's config (None: no job, or a model that does not resolve, whose cures are then
+    # priced and the estimate says what is wrong)
+    config = _config(job.model) if job is not None and job.model else None
+    fused_problem = None
+    if config is not None and job is not None and job.task == "causal-lm":
+        # a head the fused loss does not model (Granite's logits_scaling): no such cure
+        fused_problem = step.fused_linear_config_problem(config)
     return Patient(
         job=job,
         price=price,
@@ -56,6 +91,10 @@ def patient(
         on_cpu=job.device == "cpu" if job is not None else report.kind in ("cpu", "memfit-cap"),
         gpu_name=card.name if card is not None else None,
         gpu_mixed_precision=card.mixed_precision() if card is not None else None,
+        checkpoint_dtype=(
+            None if config is None else weights.dtype_name(weights.checkpoint_dtype(config))
+        ),
+        fused_loss_problem=fused_problem,
         loss=loss,
         in_batch_negatives=loss in IN_BATCH_NEGATIVE_LOSSES,
         cached_loss=CACHED_LOSSES.get(loss, loss) if loss is not None else None,

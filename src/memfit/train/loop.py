@@ -213,6 +213,10 @@ class TrainingRun(RunSetup):
                 if os.path.isdir(self.cfg.model)
                 else None,
                 "model_signature": self.model_signature,
+                # what the weights were held in and which token loss ran (--weights-dtype,
+                # --cross-entropy): read from the model and the recipe, not from the flags
+                "weights": self.held_weights(),
+                "cross_entropy": self.cross_entropy_ran(),
             },
             "plan": self.planned,
             "versions": versions(),

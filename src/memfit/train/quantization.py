@@ -7,11 +7,14 @@ quantized again with ``--double-quant``; or LLM.int8(): the settings the estimat
 :meth:`memfit.levers.quantization.Quantization.bnb_settings`), straight onto the run's device (CUDA,
 else the CPU: bitsandbytes 0.50 runs 4-bit and 8-bit layers there). The matmuls dequantize to
 the compute dtype, which is ``--precision`` (bf16/fp16; fp32 when not given, and always on the CPU, where
-memfit trains in fp32 without autocast, as every CPU run does); the layers left unquantized (the
-embeddings, norms, the LM or classifier head) load in it too. peft's
-``prepare_model_for_kbit_training`` then freezes the base and upcasts what is left in half
-precision to fp32, and :func:`memfit.train.lora.add_lora` puts the same adapters on it as on an
-unquantized base.
+memfit trains in fp32 without autocast, as every CPU run does). The layers left unquantized (the
+embeddings, norms, the LM head) are frozen weights: they load in the frozen dtype of
+``--weights-dtype`` (:mod:`memfit.step.weights`; under ``auto`` the checkpoint's, bf16 for today's
+decoders). peft's ``prepare_model_for_kbit_training`` then freezes the base and upcasts what is left
+in half precision to fp32, :func:`memfit.train.lora.add_lora` puts the same adapters on it as on
+an unquantized base, and the run holds the frozen weights in the frozen dtype again and the
+trained ones (adapters, a classifier's head) in the trained dtype
+(:meth:`memfit.train.setup.RunSetup.load_model`).
 
 What a QLoRA run writes:
 
@@ -51,12 +54,11 @@ from memfit.errors import UsageError
 from memfit.estimate.workload import PEFT_HEAD_NAMES, lora_head_modules
 from memfit.levers.quantization import LEVER as QUANTIZATION
 from memfit.levers.quantization import QUANTIZATIONS
+from memfit.step.weights import QUANTIZED_PARAMETERS
 from memfit.train.recipes.loading import load_pretrained, model_options
 
 # the extra that installs a package memfit needs for a flag
 INSTALL = {"bitsandbytes": "pip install 'memfit[quantization]'"}
-# the parameter classes of bitsandbytes' quantized layers (named: no import of bitsandbytes)
-QUANTIZED_PARAMETERS = ("Params4bit", "Int8Params")
 # bitsandbytes' quantized layers
 QUANTIZED_LAYERS = ("Linear4bit", "Linear8bitLt", "LinearNF4", "LinearFP4")
 # the tasks whose models load through transformers' from_pretrained (sentence-transformers loads
@@ -119,8 +121,11 @@ def compute_dtype(cfg: Any) -> torch.dtype:
     return COMPUTE_DTYPES[cfg.precision or "fp32"]
 
 
-def load_options(cfg: Any, device: torch.device) -> dict[str, Any]:
-    """``from_pretrained``'s keywords for the quantized base of ``cfg`` on ``device``."""
+def load_options(
+    cfg: Any, device: torch.device, weights_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """``from_pretrained``'s keywords for the quantized base of ``cfg`` on ``device``; the layers
+    left unquantized load in ``weights_dtype`` (the frozen dtype; None: the compute dtype)."""
     assert cfg.quantization in QUANTIZATIONS and quantized(cfg), cfg.quantization
     dtype = compute_dtype(cfg)
     # transformers keeps a causal LM's output head unquantized by itself; a classifier's head is
@@ -136,17 +141,24 @@ def load_options(cfg: Any, device: torch.device) -> dict[str, Any]:
         place = device.type
     # quantized as the weights load, straight onto the run's device: the unquantized base never
     # takes the device's memory (a quantized model is not moved afterwards)
-    return {"quantization_config": settings, "dtype": dtype, "device_map": {"": place}}
+    return {
+        "quantization_config": settings,
+        "dtype": weights_dtype or dtype,
+        "device_map": {"": place},
+    }
 
 
 @contextmanager
-def quantized_loading(cfg: Any, device: torch.device) -> Iterator[None]:
-    """While active, the recipe's model loads quantized (nothing when ``cfg`` does not ask)."""
+def quantized_loading(
+    cfg: Any, device: torch.device, weights_dtype: torch.dtype | None = None
+) -> Iterator[None]:
+    """While active, the recipe's model loads quantized (nothing when ``cfg`` does not ask), its
+    unquantized layers in ``weights_dtype`` (None: the compute dtype)."""
     if not quantized(cfg):
         yield
         return
     import_quietly("bitsandbytes")
-    with model_options(load_options(cfg, device)):
+    with model_options(load_options(cfg, device, weights_dtype)):
         yield
 
 

@@ -24,6 +24,7 @@ from memfit.job import round_seq_len
 from memfit.levers.quantization import LEVER as QUANTIZATION
 from memfit.plan import plan
 from memfit.runtime import JsonlLog, NoLog, autocast, launched_world_size, resolve_device
+from memfit.step import fused_linear_problem, linear_ce, weights
 from memfit.train import checkpoint as ck
 from memfit.train import runfolder
 from memfit.train.config import TrainConfig, config_problems
@@ -36,6 +37,7 @@ from memfit.train.optim import make_optimizer, make_scheduler
 from memfit.train.quantization import prepare as prepare_quantized
 from memfit.train.quantization import quantized, quantized_loading
 from memfit.train.recipes import RECIPES, recipe_for
+from memfit.train.recipes.loading import checkpoint_config, loaded_in
 from memfit.train.resume import step_settings
 from memfit.train.zero import build_config, stage_of, start_engine
 
@@ -144,6 +146,10 @@ def plan_knobs(
     if quantized(cfg):
         # QLoRA: the plan counts the run's own adapters on its quantized base weights
         plan_options.update(lora_rank=cfg.lora_rank, **QUANTIZATION.values(cfg))
+    # the run's weights and token loss, as given (the plan may choose the loss when not)
+    for name in ("weights_dtype", "cross_entropy"):
+        if getattr(cfg, name) is not None:
+            plan_options[name] = getattr(cfg, name)
     try:
         result = plan(
             cfg.model,
@@ -264,8 +270,15 @@ class RunSetup:
         cfg, recipe, ranks = self.cfg, self.recipe, self.ranks
         # the model loads before anything is written: a model that cannot be had leaves no folder
         torch.manual_seed(cfg.seed)
+        # --weights-dtype: the frozen weights (a LoRA or QLoRA base) in the checkpoint's dtype
+        # under auto, the trained ones in fp32 (master weights) or, pure 16-bit, in 16 bits; the
+        # model loads in the dtype of the weights it mostly holds (memfit.step.weights)
+        config = checkpoint_config(cfg.model)
+        self.frozen_dtype, self.trainable_dtype = weights.weight_dtypes(config, cfg.weights_dtype)
+        self.checkpoint_dtype = weights.checkpoint_dtype(config)
+        dtype = weights.load_dtype(config, cfg.weights_dtype, frozen_base=bool(cfg.lora_rank))
         # --quantization: the base loads quantized by bitsandbytes, straight onto the device
-        with quantized_loading(cfg, self.device):
+        with loaded_in(dtype), quantized_loading(cfg, self.device, self.frozen_dtype):
             recipe.build(train_rows)
         self.quantized = quantized(cfg)
         if self.quantized:
@@ -275,6 +288,12 @@ class RunSetup:
             # the adapters the estimator counts (its own function picks the targets), alpha 2r,
             # dropout 0.1; a target name the model lacks is exit 2 here, before anything is written
             add_lora(recipe, cfg)
+        # each weight in its dtype: peft's k-bit preparation upcast the frozen leftovers to fp32,
+        # peft keeps adapters as it likes, a classifier's fresh head loaded with the frozen base
+        # (inputs are cast once the precision is known: :meth:`plan`)
+        weights.place_weights(
+            recipe.model, self.frozen_dtype, self.trainable_dtype, cast_inputs=False
+        )
         self.model = recipe.model
         # what the checkpoints' weights fit (recorded in them, checked by a resume): taken before
         # any sharding, so the same on any number of ranks
@@ -344,6 +363,25 @@ class RunSetup:
         if device.type == "cpu" and precision != "fp32":
             precision = "fp32"  # a plan for --gpu-memory on a CPU run: the CPU trains in fp32
         self.precision = precision
+        if precision == "fp32":
+            # no autocast: a trained module over a frozen base of another dtype (a classifier's
+            # head in fp32 over a bf16 body) casts its inputs to its own (peft's adapters do so
+            # themselves)
+            weights.place_weights(
+                self.model, self.frozen_dtype, self.trainable_dtype, cast_inputs=True
+            )
+        # causal LM: the token loss, given or planned (fused-linear never builds the logits)
+        self.cross_entropy = cfg.cross_entropy or chosen.get("cross_entropy") or "standard"
+        problem = fused_linear_problem(self.model) if self.cross_entropy != "standard" else None
+        if problem is not None and cfg.cross_entropy is None:
+            # the plan's choice, for a head it cannot compute: the standard loss, as planned
+            # for every other model
+            self.cross_entropy = "standard"
+        elif problem is not None:
+            # before the run folder is written
+            raise UsageError(problem)
+        if hasattr(self.recipe, "cross_entropy"):
+            self.recipe.cross_entropy = self.cross_entropy
         self.checkpointing = bool(
             cfg.gradient_checkpointing
             if cfg.gradient_checkpointing is not None
@@ -402,14 +440,54 @@ class RunSetup:
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.epochs
         self.scheduler = make_scheduler(cfg, self.optimizer, self.total_steps)
         zero = self.zero_stage is not None
+        # fp16 loss scaling unscales into fp32 gradients: torch's scaler refuses fp16 ones, so it
+        # runs over fp32 master weights only (16-bit trained weights under fp16 are refused by
+        # the job's checks: memfit.levers.weights)
         self.scaler = (
             torch.amp.GradScaler("cuda")
-            if self.precision == "fp16" and device.type == "cuda" and not zero
+            if self.precision == "fp16"
+            and device.type == "cuda"
+            and not zero
+            and self.trainable_dtype == torch.float32
             else None
         )
         # DeepSpeed casts the module to 16 bits itself (and scales fp16 losses)
         self.autocast = autocast(device, "fp32" if zero else self.precision)
         self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def held_weights(self) -> dict[str, Any]:
+        """run.json's ``weights``: the dtypes the model holds its frozen and its trained weights
+        in (``frozen`` None when nothing is frozen; bitsandbytes' quantized weights left out) and
+        the checkpoint's, by the names of ``--weights-dtype``."""
+
+        def names(trained: bool) -> str | None:
+            found = sorted(
+                {
+                    weights.dtype_name(p.dtype)
+                    for p in self.model.parameters()
+                    if p.is_floating_point()
+                    and p.requires_grad == trained
+                    and type(p).__name__ not in weights.QUANTIZED_PARAMETERS
+                }
+            )
+            return "+".join(found) or None
+
+        return {
+            "frozen": names(False),
+            "trainable": names(True),
+            "checkpoint": weights.dtype_name(self.checkpoint_dtype),
+        }
+
+    def cross_entropy_ran(self) -> dict[str, Any] | None:
+        """run.json's ``cross_entropy``: the causal-LM token loss that ran and, fused-linear,
+        which implementation computes it on the run's device (None: a task without one)."""
+        kind = getattr(self.recipe, "cross_entropy", None)
+        if kind is None:
+            return None
+        out: dict[str, Any] = {"kind": kind}
+        if kind == "fused-linear":
+            out["implementation"] = linear_ce.implementation(self.device.type)
+        return out
 
     def start_zero(self, stage: int) -> None:
         """DeepSpeed's engine over the model and the optimizer (``--sharding zeroN``)."""

@@ -143,7 +143,7 @@ def test_an_unwritable_cache_is_no_error(
     traces.clear_cache()
 
 
-@pytest.mark.parametrize("name", ["step.py", "quantization.py", "knobs.py"])
+@pytest.mark.parametrize("name", ["step/__init__.py", "levers/quantization.py", "knobs.py"])
 def test_the_trace_key_changes_with_the_code_outside_the_estimator_that_shapes_a_step(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -155,7 +155,7 @@ def test_the_trace_key_changes_with_the_code_outside_the_estimator_that_shapes_a
     read = Path.read_bytes
 
     def edited(path: Path) -> bytes:
-        return read(path) + (b"# edited" if path.name == name else b"")
+        return read(path) + (b"# edited" if path.as_posix().endswith("/" + name) else b"")
 
     monkeypatch.setattr(Path, "read_bytes", edited)
     cache._source_digest.cache_clear()

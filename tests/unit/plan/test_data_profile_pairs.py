@@ -124,6 +124,8 @@ def test_a_few_rows_keep_a_line_each_in_order() -> None:
     ]
 
 
+# a causal LM's plan tries both losses (cross-entropy lever): over 10 s here
+@pytest.mark.slow
 def test_the_text_column_named_without_a_file_plans_as_before(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

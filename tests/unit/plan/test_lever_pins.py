@@ -33,7 +33,13 @@ QLORA_VALUES = {
 
 def test_the_pins_are_the_levers_and_the_keywords_of_plan() -> None:
     assert tuple(name for lever in LEVERS for name in lever.pins) == PINS
-    assert set(PINS) == {"lora_rank", "quantization", "double_quant"}
+    assert set(PINS) == {
+        "lora_rank",
+        "quantization",
+        "double_quant",
+        "weights_dtype",
+        "cross_entropy",
+    }
     # memfit doctor reads which of the job's fields plan_problems takes from its signature
     for function in (plan, plan_problems):
         parameters = inspect.signature(function).parameters
@@ -63,7 +69,19 @@ def test_the_plan_keeps_the_pins_as_the_commands_give_them() -> None:
     plain = Job(model="m", task="causal-lm", lora_rank=0, quantization="none", double_quant=False)
     assert _pinned(plain) == dict.fromkeys(PINS)
     qlora = Job(model="m", task="causal-lm", lora_rank=8, quantization="nf4", double_quant=True)
-    assert _pinned(qlora) == {"lora_rank": 8, "quantization": "nf4", "double_quant": True}
+    assert _pinned(qlora) == {
+        "lora_rank": 8,
+        "quantization": "nf4",
+        "double_quant": True,
+        "weights_dtype": None,
+        "cross_entropy": None,
+    }
+    # the checkpoint's dtype and the standard loss are what no flag says; others are kept
+    auto = Job(model="m", task="causal-lm", weights_dtype="auto", cross_entropy="standard")
+    assert _pinned(auto) == dict.fromkeys(PINS)
+    pure = Job(model="m", task="causal-lm", weights_dtype="bf16", cross_entropy="fused-linear")
+    assert _pinned(pure)["weights_dtype"] == "bf16"
+    assert _pinned(pure)["cross_entropy"] == "fused-linear"
 
 
 def test_a_configuration_carries_every_lever_value_in_the_json_order() -> None:

@@ -32,6 +32,9 @@ def _reestimate(model: str, task: str, seq_len: int, p) -> int:
         world_size=s["world_size"],
         sharding=s["sharding"],
         gpu=p.gpu,
+        # the weights' dtype and the causal-LM loss, when the plan names them
+        weights_dtype=s.get("weights_dtype"),
+        cross_entropy=s.get("cross_entropy"),
         gradient_accumulation_steps=s["gradient_accumulation_steps"]
         if task != "sentence-embedding"
         else 1,
@@ -165,6 +168,8 @@ def test_in_batch_negatives_plan_the_cached_loss(tiny_bert: str) -> None:
     assert any("objective" in line for line in p.explanation)
 
 
+# a causal LM's plan tries both losses (cross-entropy lever): over 10 s here
+@pytest.mark.slow
 def test_nothing_fits_gives_the_least_and_suggestions(tiny_gpt2: str) -> None:
     p = plan(tiny_gpt2, task="causal-lm", seq_len=128, effective_batch_size=8, gpu_memory="64MiB")
     d = p.to_dict()

@@ -82,7 +82,13 @@ def test_no_cure_memfit_train_refuses_under_zero3() -> None:
     prices, notes = Prices(), []
     offered = cures(job, prices, report, notes)
     proposed = [f.lever for f in offered]
-    assert proposed == ["micro_batch", "precision", "gradient_checkpointing", "truncation"]
+    assert proposed == [
+        "micro_batch",
+        "precision",
+        "gradient_checkpointing",
+        "cross-entropy",
+        "truncation",
+    ]
     refused = [n for n in notes if "memfit train refuses" in n]
     assert [n.split(" — ")[0] for n in refused] == [
         "not proposed: optimizer",

@@ -23,6 +23,9 @@ The loss is the summed token cross-entropy over the step's target-token count, s
 different lengths weigh by their tokens (the contract in ``base.py``): a target token is one
 whose label is not -100 after the shift (the first token, padding, prompts and non-assistant
 turns are none), so a chunk of long prompts and short completions weighs by its completions.
+With ``cross_entropy="fused-linear"`` (``--cross-entropy``) the loss is computed from the last
+hidden states and the head's weight chunk by chunk (:func:`memfit.step.causal_lm_loss`): neither
+a training step nor an eval pass builds the full logits.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class CausalLMRecipe(Recipe):
             "prompt_column": cfg.prompt_column,
             "completion_column": cfg.completion_column,
             "messages_column": cfg.messages_column,
+            # the plan may choose it when not given (the run sets it again once planned)
+            "cross_entropy": cfg.cross_entropy or "standard",
         }
 
     def __init__(
@@ -105,6 +110,7 @@ class CausalLMRecipe(Recipe):
         prompt_column: str | None = None,
         completion_column: str | None = None,
         messages_column: str | None = None,
+        cross_entropy: str = "standard",
     ) -> None:
         if max_seq_len < 2:
             raise UsageError(f"--max-seq-len: must be ≥ 2 for causal LM, got {max_seq_len}")
@@ -124,6 +130,8 @@ class CausalLMRecipe(Recipe):
         self.max_seq_len = max_seq_len
         self.packing = packing
         self.attn_implementation = attn_implementation
+        # "standard" (the full logits) or "fused-linear" (chunks of them, from the hidden states)
+        self.cross_entropy = cross_entropy
         self.device = torch.device("cpu")
         self.tokenizer: Any = None
 
@@ -331,12 +339,17 @@ class CausalLMRecipe(Recipe):
     ) -> torch.Tensor:
         # summed over target tokens, divided by the step's: chunks add up to the step's mean;
         # the loss the estimator traces (memfit.step)
-        return step.causal_lm_loss(self.model, *self._batch(rows), units=total_units)
+        return step.causal_lm_loss(
+            self.model, *self._batch(rows), units=total_units, cross_entropy=self.cross_entropy
+        )
 
     # -- eval ----------------------------------------------------------------------------------
     def eval_partial(self, rows: Sequence[Row]) -> tuple[float, int]:
         input_ids, attention_mask, labels = self._batch(rows)
-        summed = step.causal_lm_loss(self.model, input_ids, attention_mask, labels, units=1)
+        # the same loss as training's (fused-linear: no full logits in an eval pass either)
+        summed = step.causal_lm_loss(
+            self.model, input_ids, attention_mask, labels, units=1, cross_entropy=self.cross_entropy
+        )
         return float(summed), step.target_count(labels)
 
     def eval_reduce(self, partials: list[Any]) -> dict[str, float]:

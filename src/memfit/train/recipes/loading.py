@@ -13,7 +13,10 @@ code transformers would have to run (``trust_remote_code``).
 
 A run that loads its model otherwise (QLoRA: quantized by bitsandbytes, straight onto its device)
 wraps the recipe's ``build`` in :func:`model_options`: every model (not tokenizer, not config)
-loaded inside takes those keywords too, so the recipes need not know of it.
+loaded inside takes those keywords too, so the recipes need not know of it. The dtype the weights
+load in (``--weights-dtype``, :mod:`memfit.step.weights`) is set the same way, by
+:func:`loaded_in`: a transformers model takes it as ``dtype``, a SentenceTransformer in its
+``model_kwargs``; outside of it a model loads in fp32.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from memfit.errors import UsageError
-from memfit.models.folder import check_for_loader, load_checked
+from memfit.models.folder import check_for_loader, load_checked, model_config
 from memfit.models.registry import resolve_model
 
 T = TypeVar("T")
@@ -39,6 +42,9 @@ FLAG = "--model"
 
 # the keywords every model load takes while :func:`model_options` is active
 _MODEL_OPTIONS: ContextVar[dict[str, Any] | None] = ContextVar("memfit_model_options", default=None)
+# the dtype every model loads in while :func:`loaded_in` is active: fp32 otherwise (master weights
+# under mixed precision; transformers 5 alone would load a checkpoint in its stored dtype)
+_LOAD_DTYPE: ContextVar[torch.dtype] = ContextVar("memfit_load_dtype", default=torch.float32)
 
 
 @contextmanager
@@ -50,6 +56,27 @@ def model_options(options: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         _MODEL_OPTIONS.reset(token)
+
+
+@contextmanager
+def loaded_in(dtype: torch.dtype) -> Iterator[None]:
+    """While active, :func:`load_pretrained` loads every model's weights in ``dtype`` (a
+    transformers model's ``dtype``, a SentenceTransformer's ``model_kwargs``), unless the call or
+    :func:`model_options` names another."""
+    token = _LOAD_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _LOAD_DTYPE.reset(token)
+
+
+def _loads_a_sentence_transformer(loader: Callable[..., Any]) -> bool:
+    """Whether ``loader`` is sentence-transformers' ``SentenceTransformer`` (named: the package is
+    optional)."""
+    return isinstance(loader, type) and any(
+        k.__name__ == "SentenceTransformer" and k.__module__.startswith("sentence_transformers")
+        for k in loader.__mro__
+    )
 
 
 def _loads_a_model(loader: Callable[..., Any]) -> bool:
@@ -84,11 +111,17 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
         kwargs.setdefault("local_files_only", True)
     options = _MODEL_OPTIONS.get()
     if _loads_a_model(loader):
-        # fp32 master weights (mixed precision autocasts the matmuls): transformers 5 would load
-        # a checkpoint in its stored dtype, bfloat16 for today's decoders, and train in it
-        kwargs.setdefault("dtype", torch.float32)
+        # the run's (:func:`loaded_in`), fp32 by default: transformers 5 would load a checkpoint
+        # in its stored dtype, bfloat16 for today's decoders, whatever the run trains in
+        kwargs.setdefault("dtype", _LOAD_DTYPE.get())
         if options:
             kwargs = {**kwargs, **options}
+    elif _loads_a_sentence_transformer(loader):
+        # its Transformer module passes model_kwargs to from_pretrained (its other modules
+        # follow the first one's dtype)
+        model_kwargs = dict(kwargs.get("model_kwargs") or {})
+        model_kwargs.setdefault("dtype", _LOAD_DTYPE.get())
+        kwargs["model_kwargs"] = model_kwargs
     local = Path(model).expanduser().is_dir()
     if local:
         check_folder(loader, Path(model).expanduser())
@@ -101,6 +134,23 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
         # not a folder: transformers/huggingface_hub raise OSError subclasses for "not found"
         not_found=None if local else functools.partial(_not_found, model),
     )
+
+
+def checkpoint_config(model: str) -> Any | None:
+    """The transformers config of ``--model`` (a folder's, a sentence-transformers folder's
+    Transformer module's, or a Hub id's in the cache), read before the model loads, for the
+    dtype its checkpoint is stored in (:func:`memfit.step.weights.checkpoint_dtype`); None where
+    none can be read (the model's load then says why)."""
+    folder = Path(model).expanduser()
+    try:
+        if folder.is_dir():
+            return model_config(folder, FLAG)[1]
+        # start-up: transformers' Auto classes are loaded when a run builds a model
+        from transformers import AutoConfig
+
+        return load_pretrained(AutoConfig.from_pretrained, model)
+    except (UsageError, OSError, ValueError):
+        return None
 
 
 def _not_found(model: str, _exc: OSError) -> str:
