@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.cli import main
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+from cli_run import run_cli as _run
 
 
 @pytest.mark.parametrize("verb", ["estimate", "plan"])
