@@ -86,7 +86,11 @@ def _setup(model: str, tmp_path: Path, **knobs: Any) -> tuple[RunSetup, list[dic
         device="cpu",
         quiet=True,
     )
-    cfg = TrainConfig(**(settings | knobs))
+    return _loaded(TrainConfig(**(settings | knobs)), data)
+
+
+def _loaded(cfg: TrainConfig, data: Path) -> tuple[RunSetup, list[dict[str, Any]]]:
+    """``cfg``'s run set up to its loaded model (nothing written), and the rows of ``data``."""
     recipe = recipe_for(cfg)
     rows = list(recipe.read(data))
     run = RunSetup(cfg, recipe, lock=None)
@@ -311,14 +315,7 @@ def test_a_sentence_transformer_loads_in_the_runs_dtype(
             quiet=True,
             **knobs,
         )
-        recipe = recipe_for(cfg)
-        rows = list(recipe.read(data))
-        run = RunSetup(cfg, recipe, lock=None)
-        run.join_ranks()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run.load_model(rows, None)
-        return run, rows
+        return _loaded(cfg, data)
 
     with monkeypatch.context() as patch:
         # no casting after the load: what is fp32 was loaded so (sentence-transformers alone
