@@ -18,6 +18,7 @@ import pytest
 
 from estimate_cpu_truth import CUSTOM_CONFIGS
 
+RSS_JITTER = 256 * 1024  # bytes
 MiB = 2**20
 TOLERANCE = 0.05
 RESIDENT_KEYS = ("parameters", "buffers", "optimizer_state", "runtime_overhead")
@@ -200,7 +201,11 @@ def test_cpu_estimate_matches_measured_step(
         f"breakdown { {k: round(v / MiB, 2) for k, v in est.breakdown.items()} }, peak in {est.peak_phase}"
     )
     print(summary)
-    assert measured.spread <= 0.01, summary
+    # the repeats agree: within 1 %, or within RSS_JITTER for a step of a few MiB (a CI run saw
+    # 15.28/15.31/15.45 MiB: the process's RSS moves by a few pages that are not the step's)
+    assert measured.spread <= 0.01 or max(measured.samples) - min(measured.samples) <= RSS_JITTER, (
+        summary
+    )
     assert (
         abs(estimated - measured.above_baseline_bytes) <= TOLERANCE * measured.above_baseline_bytes
     ), summary

@@ -293,10 +293,14 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     ranks_main(json.loads(Path(sys.argv[1]).read_text()))
-    # the Trainer leaves its process group up: ended here, as PyTorch asks of a training script
-    # (left to the interpreter's teardown, gloo's threads can end the rank with SIGABRT)
+    # the Trainer leaves its process group up: ended here, as PyTorch asks of a training script;
+    # then the rank ends without the interpreter's teardown, as memfit train's ranks do (in it,
+    # gloo's threads can still end a finished rank with SIGABRT: a CI run saw it)
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 '''
 
 
