@@ -23,6 +23,15 @@ def plan(model: str, **kwargs: Any) -> Any:
     return _plan(model, **kwargs)
 
 
+def limits(model: str, **kwargs: Any) -> Any:
+    """The longest sequence and largest micro-batch that fit a budget; see
+    :func:`memfit.plan.limits.limits`."""
+    # start-up: the solver loads the estimator (torch, transformers)
+    from memfit.plan.limits import limits as _limits
+
+    return _limits(model, **kwargs)
+
+
 def train(config: Any = None, /, **kwargs: Any) -> Any:
     """Fine-tune under the OOM guard; see :func:`memfit.train.run.train` (same knobs as the CLI)."""
     # start-up: a run loads torch, transformers and the training stack
@@ -31,4 +40,4 @@ def train(config: Any = None, /, **kwargs: Any) -> Any:
     return _train(config, **kwargs)
 
 
-__all__ = ["__version__", "estimate", "plan", "train"]
+__all__ = ["__version__", "estimate", "limits", "plan", "train"]

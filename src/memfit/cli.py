@@ -39,8 +39,8 @@ from memfit.runtime import launched_world_size, quiet_deepspeed
 # the verbs, in the order ``memfit --help`` lists them: ``memfit VERB`` runs the function
 # ``VERB_command`` of ``memfit.commands.VERB`` (a group: its module's ``app``)
 VERBS = (
-    "estimate", "plan", "report", "gpus", "models", "train", "doctor", "demo", "predict", "embed",
-    "data",
+    "estimate", "plan", "limits", "report", "gpus", "models", "train", "doctor", "demo", "predict",
+    "embed", "data",
 )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from memfit.knobs import (
     whole,
     whole_problem,
 )
+from memfit.levers.activation_offloading import ActivationOffloadingKnobs
 from memfit.levers.attention import ATTN_IMPLEMENTATIONS, AttentionKnobs
 from memfit.levers.batch import BatchKnobs
 from memfit.levers.checkpointing import CheckpointingKnobs
@@ -42,6 +43,8 @@ from memfit.levers.optimizer import (
     Optimizer,
     OptimizerKnobs,
 )
+from memfit.levers.optimizer_offload import OPTIMIZER_OFFLOADS, OptimizerOffloadKnobs
+from memfit.levers.packing import PACKING_STRATEGIES, PackingKnobs
 from memfit.levers.precision import PRECISIONS, PrecisionKnobs
 from memfit.levers.quantization import FOUR_BIT, QUANTIZATIONS, QuantizationKnobs
 from memfit.levers.sharding import DEEPSPEED_SCHEMES, SHARDING_SCHEMES, ShardingKnobs
@@ -149,6 +152,9 @@ class DeviceKnobs:
 @dataclass(kw_only=True)
 class Job(
     DeviceKnobs,
+    PackingKnobs,
+    ActivationOffloadingKnobs,
+    OptimizerOffloadKnobs,
     CrossEntropyKnobs,
     WeightsKnobs,
     QuantizationKnobs,
@@ -247,7 +253,9 @@ __all__ = [
     "MODES",
     "NOT_STEP_FIELDS",
     "OPTIMIZERS",
+    "OPTIMIZER_OFFLOADS",
     "OPTIMIZER_TABLE",
+    "PACKING_STRATEGIES",
     "PRECISIONS",
     "QUANTIZATIONS",
     "SEQ_LEN_MULTIPLE",

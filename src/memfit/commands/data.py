@@ -11,6 +11,7 @@ import typer
 
 from memfit import progress
 from memfit.data.instructions import flag_problems
+from memfit.data.packing import packing_figures
 from memfit.errors import UsageError
 
 app = typer.Typer(
@@ -59,6 +60,14 @@ def data_profile_command(
         str | None,
         typer.Option(help="Chat rows: messages rendered with the tokenizer's chat template."),
     ] = None,
+    packing: Annotated[
+        bool,
+        typer.Option(
+            "--packing",
+            help="Also report packing the rows (bfd, padding-free) into sequences of "
+            "--max-seq-len tokens: rows per sequence, the padding it removes.",
+        ),
+    ] = False,
     skip_bad_rows: Annotated[
         bool,
         typer.Option(
@@ -71,18 +80,24 @@ def data_profile_command(
     """Token lengths of a data set: percentiles, what truncation cuts, what padding wastes.
 
     Instruction rows (--prompt-column/--completion-column, --messages-column) are measured as
-    memfit train --task causal-lm renders them."""
+    memfit train --task causal-lm renders them. With --packing, what memfit train --packing
+    (bfd) makes of them: each row truncated to --max-seq-len, the rows packed whole, best fit
+    decreasing, into sequences of --max-seq-len tokens."""
     if model is not None and tokenizer is not None:
         raise UsageError("give --model or --tokenizer, not both (--tokenizer alone is enough)")
     if max_seq_len is not None and max_seq_len < 1:
         raise UsageError(f"--max-seq-len: {max_seq_len} is not a length (give 1 or more tokens)")
+    if packing and max_seq_len is None:
+        raise UsageError(
+            "--packing: give --max-seq-len, the tokens of a packed sequence (memfit train's)"
+        )
     # the rows as memfit train --task causal-lm reads them, with the same flags and checks
     problems = flag_problems(
         task="causal-lm",
         prompt_column=prompt_column,
         completion_column=completion_column,
         messages_column=messages_column,
-        packing=False,
+        packing="bfd" if packing else None,
         text_column=text_column,
     )
     if problems:
@@ -106,8 +121,15 @@ def data_profile_command(
         )
     if profile.skipped_rows:
         sys.stderr.write(f"memfit: left out {profile.skipped_rows} bad rows (--skip-bad-rows)\n")
+    report = profile.to_dict(max_seq_len)
+    lines = profile.summary_lines(max_seq_len)
+    if packing:
+        assert max_seq_len is not None
+        figures = packing_figures(profile.lengths.tolist(), max_seq_len)
+        report["packing"] = {"strategy": "bfd", **figures.to_dict()}
+        lines.append(figures.summary_line())
     if as_json:
-        typer.echo(json.dumps(profile.to_dict(max_seq_len)))
+        typer.echo(json.dumps(report))
     else:
-        for line in profile.summary_lines(max_seq_len):
+        for line in lines:
             typer.echo(line)

@@ -70,6 +70,25 @@ def _paged_line(details: dict[str, Any], optimizer: str, device: str) -> str | N
     )
 
 
+def _host_lines(details: dict[str, Any]) -> list[str]:
+    """What an offloading step holds in host memory (``details["host"]``), against its budget."""
+    info = details.get("host")
+    if not isinstance(info, dict):
+        return []
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {format_bytes(int(size))}"
+        for name, size in (info.get("parts") or {}).items()
+        if size
+    )
+    total, budget = int(info.get("total_bytes") or 0), info.get("budget_bytes")
+    line = f"host memory: {format_bytes(total)}" + (f" ({parts})" if parts else "")
+    line += ", not in the GPU peak above"
+    if budget is None:
+        return [line]
+    verdict = "fits" if info.get("fits") else "does NOT fit"
+    return [line, f"host budget: {format_bytes(int(budget))}: {verdict}"]
+
+
 # memfit estimate's own spelling: the step's micro-batch is its --batch-size
 FLAGS = {"micro_batch_size": "--batch-size"}
 
@@ -99,6 +118,13 @@ def estimate_command(
     gpu: Annotated[
         str | None,
         typer.Option(help="A catalog GPU (memfit gpus): its memory is the budget."),
+    ] = None,
+    host_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Host-memory budget for what offloading moves there, e.g. 64GiB.",
+            show_default="this machine's memory",
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot: Annotated[
@@ -133,6 +159,7 @@ def estimate_command(
             gpu_memory=gpu_memory,
             gpu=gpu,
             trace_depth=trace_depth,
+            host_memory=host_memory,
             **knobs,
         )
     if as_json:
@@ -149,6 +176,8 @@ def estimate_command(
             if said is not None:
                 typer.echo(said)
         for line in _gpu_lines(result.details, device):
+            typer.echo(line)
+        for line in _host_lines(result.details):
             typer.echo(line)
     if plot is not None:
         title = f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}"

@@ -16,10 +16,12 @@ from memfit.commands._options import Overwrite, TraceDepth, given_knobs, job_opt
 from memfit.config import write_config as write_run_config
 from memfit.data.columns import ANCHOR_COLUMN, POSITIVE_COLUMN, TEXT_COLUMN, text_columns
 from memfit.data.instructions import flag_problems
+from memfit.data.packing import packing_figures
 from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
 from memfit.job import STEP_DEFAULTS, round_seq_len
 from memfit.levers import ALLOWABLE
+from memfit.levers.packing import packing_strategy
 from memfit.paths import (
     Kind,
     check_writable_file,
@@ -118,6 +120,13 @@ def plan_command(
     safety_margin: Annotated[
         float, typer.Option(help="Share of the budget kept free (0.05 = 5 %).")
     ] = 0.05,
+    host_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Host-memory budget for what offloading moves there.",
+            show_default="this machine's memory",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     write_config: Annotated[
         str | None, typer.Option(help="Write the plan as a YAML run config for memfit train.")
@@ -161,7 +170,10 @@ def plan_command(
                 "give it too"
             )
         problems = flag_problems(
-            task=task, packing=False, text_column=text_column or TEXT_COLUMN, **instructions
+            task=task,
+            packing=packing_strategy(knobs),
+            text_column=text_column or TEXT_COLUMN,
+            **instructions,
         )
         if problems:
             raise UsageError(problems[0])
@@ -185,10 +197,16 @@ def plan_command(
             data_profile=profile,
             safety_margin=safety_margin,
             trace_depth=trace_depth,
+            host_memory=host_memory,
             **knobs,
         )
     if seq_len_note is not None:
         result.explanation.insert(0, seq_len_note)
+    if profile is not None and packing_strategy(knobs) == "bfd":
+        # what a packed step holds: the rows of the data packed into sequences of seq_len
+        micro = result.chosen.micro_batch_size if result.chosen is not None else None
+        figures = packing_figures(profile.lengths.tolist(), seq_len)
+        result.explanation.insert(0, figures.plan_line(micro))
     if train_file is not None and result.chosen is not None:
         # the memfit train command names the data the plan read
         result.train_file = train_file

@@ -130,11 +130,13 @@ def flag_problems(
     prompt_column: str | None,
     completion_column: str | None,
     messages_column: str | None,
-    packing: bool,
+    packing: str | bool | None,
     text_column: str | None = "text",
 ) -> list[str]:
     """The problems with the instruction flags, one line each (``text_column`` other than the
-    default ``text`` counts as given: it cannot be told apart from a default otherwise)."""
+    default ``text`` counts as given: it cannot be told apart from a default otherwise).
+    ``packing``: the packing strategy (None or False: no packing); instruction rows pack with
+    ``bfd`` (each row keeps its loss mask), not in ``wrapped`` blocks."""
     problems: list[str] = []
     given = [
         flag
@@ -171,10 +173,10 @@ def flag_problems(
         problems.append(
             "--messages-column: not with --prompt-column/--completion-column; give one kind of rows"
         )
-    if packing:
+    if packing == "wrapped":
         problems.append(
-            f"--packing: not with {names} (the loss masks of instruction rows are not packed); "
-            "leave --packing out"
+            f"--packing-strategy wrapped: not with {names} (its blocks cut rows and their loss "
+            "masks across blocks); use --packing-strategy bfd, which packs whole rows"
         )
     if text_column not in (None, "text"):
         problems.append(

@@ -3,7 +3,11 @@
 The figures live in ``gpus.json`` next to this file, with their sources: vendor datasheets for the
 rates (dense tensor-core rates with float32 accumulation, plain FP32 without TF32, since PyTorch
 does not use TF32 for matmuls by default) and, for memory, ``total_memory`` as CUDA reports it
-(real out-of-memory messages and device queries), which is below the marketing figure.
+(real out-of-memory messages and device queries), which is below the marketing figure. The host
+link (``host_link_gbps``) is what one GPU can copy to or from pinned host memory per second in one
+direction: its PCIe generation and width (PCI-SIG's rate per lane after 128b/130b encoding) times
+the 80 % that pinned copies reach in practice; offloaded activations, offloaded optimizer state and
+paged optimizers move over it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,17 @@ class Gpu:
     sm_count: int
     compute_capability: tuple[int, int]
     aliases: tuple[str, ...] = ()
+    # GB/s one direction between pinned host memory and this GPU (every catalog entry gives its
+    # own, ``gpus.json``); a Gpu built without one (an unknown card's nearest generation gives
+    # its own) gets :data:`DEFAULT_HOST_LINK_GBPS`
+    host_link_gbps: float = 0.0
     # what a user of this GPU should know (a PyTorch that no longer runs on it), or empty
     support_note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.host_link_gbps <= 0:
+            # frozen: the documented default goes in through object.__setattr__
+            object.__setattr__(self, "host_link_gbps", DEFAULT_HOST_LINK_GBPS)
 
     @property
     def short_name(self) -> str:
@@ -110,6 +123,7 @@ def catalog() -> dict[str, Gpu]:
             sm_count=int(entry["sm_count"]),
             compute_capability=(major, minor),
             aliases=tuple(entry.get("aliases", ())),
+            host_link_gbps=float(entry["host_link_gbps"]),
             support_note=str(entry.get("support_note", "")),
         )
     return dict(sorted(gpus.items(), key=lambda kv: (kv[1].memory_bytes, kv[0])))
@@ -139,6 +153,9 @@ def find_gpu(name: str, flag: str = "--gpu") -> Gpu:
 
 # what --gpu-memory alone assumes for speed: an A100-class GPU (bf16, its rates)
 ASSUMED_GPU = "a100-80gb"
+# the host link of a Gpu that names none: PCIe 3.0 x16 at 80 % of its 15.75 GB/s per direction,
+# the slowest link a current card sits on (an offloading plan errs slow, not fast)
+DEFAULT_HOST_LINK_GBPS = 12.6
 
 
 def detect_gpu() -> tuple[Gpu, int, int] | None:
@@ -169,6 +186,7 @@ def detect_gpu() -> tuple[Gpu, int, int] | None:
             bf16=major >= 8,
             tflops=base.tflops,
             memory_bandwidth_gbps=base.memory_bandwidth_gbps,
+            host_link_gbps=base.host_link_gbps,
             sm_count=props.multi_processor_count,
             compute_capability=(major, minor),
         )

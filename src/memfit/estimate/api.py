@@ -8,6 +8,7 @@ the shape asked (:mod:`memfit.estimate.replay`) and reports the peak as an :clas
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import typing
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from memfit.job import (
     whole,
 )
 from memfit.models import resolve_model
-from memfit.step import linear_ce, weights
+from memfit.step import linear_ce, offload, weights
 from memfit.units import parse_size
 
 BREAKDOWN_KEYS = (*CATEGORIES, "allocator_overhead", "runtime_overhead")
@@ -177,6 +178,7 @@ def estimate(
     gpu_memory: int | str | None = None,
     gpu: str | None = None,
     trace_depth: str = "auto",
+    host_memory: int | str | None = None,
     **knobs: Any,
 ) -> Estimate:
     """Predict the peak memory of one steady-state step (optimizer state already exists).
@@ -211,9 +213,22 @@ def estimate(
     layer exactly (see :mod:`memfit.estimate.depth`; ``details["trace_depth"]`` says what was
     done), falling back to the whole model where the layers do not repeat; ``full`` always
     traces every layer.
+
+    Offloading (``activation_offloading``, ``optimizer_offload="cpu"``) on a GPU moves bytes to
+    host memory: ``breakdown`` and ``total_bytes`` are the GPU's without them, and
+    ``details["host"]`` holds the host's (``total_bytes``, ``parts``, ``budget_bytes``: the
+    ``host_memory`` keyword, else this machine's total memory; ``fits``). On the CPU device host
+    and device are one memory: the copies are in the total, and there is no ``details["host"]``.
     """
     job = step_job(model, batch_size=batch_size, task=task, seq_len=seq_len, **knobs)
-    checked = _checked(job, mode=mode, gpu_memory=gpu_memory, gpu=gpu, trace_depth=trace_depth)
+    checked = _checked(
+        job,
+        mode=mode,
+        gpu_memory=gpu_memory,
+        gpu=gpu,
+        trace_depth=trace_depth,
+        host_memory=host_memory,
+    )
     model_spec, seq_len, spec = checked.model_spec, checked.seq_len, checked.spec
     accumulation = job.gradient_accumulation_steps or 1  # checked: a whole number
     accumulate = accumulation > 1 and spec.mode == "train"
@@ -254,6 +269,8 @@ def estimate(
     if traced.changed():
         traces.save_traces()
     details |= _sharding_details(traced, job.sharding, world)
+    if host := _host_details(traced, peak, job.sharding, world, checked.host_budget):
+        details["host"] = host
     if card is not None:
         details["gpu"] = _gpu_details(card, checked.budget_from_gpu)
     total, budget = peak.total_bytes, checked.budget
@@ -281,10 +298,17 @@ class _Checked(NamedTuple):
     seq_len: int  # cut to max_seq_len
     card: Gpu | None = None  # the --gpu card
     budget_from_gpu: bool = False  # the budget is the card's memory (no --gpu-memory)
+    host_budget: int | None = None  # --host-memory (None: the machine's, where needed)
 
 
 def _checked(
-    job: Job, *, mode: str, gpu_memory: int | str | None, gpu: str | None, trace_depth: str
+    job: Job,
+    *,
+    mode: str,
+    gpu_memory: int | str | None,
+    gpu: str | None,
+    trace_depth: str,
+    host_memory: int | str | None = None,
 ) -> _Checked:
     """Check ``job`` and the estimate's own keywords at once; one :class:`UsageError` lists
     every problem."""
@@ -298,6 +322,12 @@ def _checked(
     if gpu_memory is not None:
         try:
             budget = parse_size(gpu_memory, name="--gpu-memory")
+        except UsageError as exc:
+            problems.append(str(exc))
+    host_budget = None
+    if host_memory is not None:
+        try:
+            host_budget = parse_size(host_memory, name="--host-memory")
         except UsageError as exc:
             problems.append(str(exc))
     profile, card, budget_from_gpu = None, None, False
@@ -342,7 +372,66 @@ def _checked(
     if problems:
         raise UsageError("; ".join(problems))
     assert model_spec is not None and seq_len is not None
-    return _Checked(spec, model_spec, budget, profile, seq_len, card, budget_from_gpu)
+    return _Checked(spec, model_spec, budget, profile, seq_len, card, budget_from_gpu, host_budget)
+
+
+def machine_memory_bytes() -> int:
+    """This machine's total memory: the host budget of an offloading estimate by default."""
+    try:
+        # optional: psutil comes with accelerate and deepspeed, not with memfit itself
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:  # pragma: no cover - psutil is present wherever accelerate is
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _optimizer_host_parts(traced: Traced, sharding: str, world_size: int) -> dict[str, int]:
+    """The host parts of an offloaded optimizer (:mod:`memfit.estimate.optimizer_offload`)."""
+    if traced.spec.optimizer_offload != "cpu":
+        return {}
+    # start-up: the optimizer offload's module is only needed when it is on
+    from memfit.estimate import optimizer_offload
+
+    parts: dict[str, int] = optimizer_offload.host_parts_of_trace(
+        traced.trace, traced.spec, world_size=world_size, sharding=sharding
+    )
+    return parts
+
+
+def _host_details(
+    traced: Traced, peak: Peak, sharding: str, world_size: int, budget: int | None
+) -> dict[str, Any] | None:
+    """``details["host"]``: what an offloading GPU step holds in host memory, by part, against
+    the host budget (``budget``, else this machine's memory); None when nothing is offloaded or
+    the step runs on the CPU (its host is its device: the copies are in the total).
+
+    ``activations``: the most offloaded activations held at once (their host copies, each a
+    pinned block rounded up to a power of two, as CUDA's caching host allocator keeps them:
+    :func:`memfit.estimate.replay.pinned_block_bytes`), from the replay of the trace."""
+    spec = traced.spec
+    if spec.device == "cpu" or spec.mode != "train":
+        return None
+    parts: dict[str, int] = {}
+    if spec.activation_offloading:
+        parts["activations"] = peak.host_peak_bytes
+    for name, size in _optimizer_host_parts(traced, sharding, world_size).items():
+        parts[name] = parts.get(name, 0) + int(size)
+    if not parts:
+        return None
+    total = sum(parts.values())
+    if budget is None:
+        budget = machine_memory_bytes()
+    return {
+        "total_bytes": total,
+        "parts": parts,
+        "budget_bytes": budget,
+        "fits": total <= budget,
+        # which implementation's rules the activations' part follows (None: none offloaded)
+        "activation_offloading": offload.implementation(spec.device)
+        if spec.activation_offloading
+        else None,
+    }
 
 
 def _gpu_details(card: Gpu, budget_from_gpu: bool) -> dict[str, Any]:

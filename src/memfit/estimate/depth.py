@@ -79,6 +79,9 @@ class DepthPlan:
     period: int
     traced: tuple[int, int]  # (D_a, D_b)
     lists: tuple[str, ...] = ()  # per-layer config lists, cut to the shallow depth
+    # groups kept literal at the start: 1, or more where the first layers' events differ from
+    # the rest's for longer (activation offloading's forward stash spans several layers' saves)
+    prefix: int = 1
 
     def groups(self, depth: int) -> int:
         return -(-depth // self.period)
@@ -89,21 +92,23 @@ class DepthPlan:
         return 1 if self.depth % self.period == 0 else 2
 
 
-def plan_depth(config: Any) -> tuple[DepthPlan | None, str]:
-    """A plan for ``config``, or None and why the whole model must be traced."""
+def plan_depth(config: Any, prefix: int = 1) -> tuple[DepthPlan | None, str]:
+    """A plan for ``config``, or None and why the whole model must be traced. ``prefix``: the
+    groups kept literal at the start (the shallow traces hold them, one group of the template
+    and the last group(s))."""
     layout = _layout(config)
     if isinstance(layout, str):
         return None, layout
     key, depth, period, lists = layout
     remainder = depth % period
-    shallow_a = 3 * period + remainder
+    shallow_a = (prefix + 2) * period + remainder
     shallow_b = shallow_a + period
     if period > 1 and depth // period < _MIN_GROUPS:
         names = ", ".join(lists) or "the per-layer settings"
         return None, f"the layers differ: {names} repeat only every {period} of {depth} layers"
     if depth // period < _MIN_GROUPS or depth <= shallow_b:
         return None, f"{depth} layers are few enough to trace whole"
-    return DepthPlan(key, depth, period, (shallow_a, shallow_b), tuple(lists)), ""
+    return DepthPlan(key, depth, period, (shallow_a, shallow_b), tuple(lists), prefix), ""
 
 
 def few_layers(config: Any) -> bool:
@@ -176,7 +181,7 @@ class _Sweep:
     joined: bool = False
 
 
-def _compress(items: list[Item], groups: int, suffix: int) -> tuple[Hashable, ...]:
+def _compress(items: list[Item], groups: int, suffix: int, prefix: int = 1) -> tuple[Hashable, ...]:
     runs: list[tuple[int | None, list[Hashable]]] = []
     for context, token in items:
         if runs and runs[-1][0] == context:
@@ -212,13 +217,16 @@ def _compress(items: list[Item], groups: int, suffix: int) -> tuple[Hashable, ..
         joined = i < len(runs) and runs[i][0] == end - step
         if joined:
             i -= 1
-        # literal: group 0 and the last ``suffix`` groups; the rest must be one template
+        # literal: the first ``prefix`` groups and the last ``suffix`` groups; the rest must be
+        # one template
         by_group = sweep if step == 1 else sweep[::-1]
-        middle = by_group[1 : groups - suffix]
+        middle = by_group[prefix : groups - suffix]
         if not middle or any(run != middle[0] for run in middle[1:]):
             raise NotRepeating("the layers in the middle do not repeat")
-        head_groups = [0] if step == 1 else list(range(groups - 1, groups - 1 - suffix, -1))
-        tail_groups = list(range(groups - suffix, groups)) if step == 1 else [0]
+        first = list(range(prefix))
+        last = list(range(groups - suffix, groups))
+        head_groups = first if step == 1 else last[::-1]
+        tail_groups = last if step == 1 else first[::-1]
         out.append(
             _Sweep(
                 step,
@@ -231,19 +239,19 @@ def _compress(items: list[Item], groups: int, suffix: int) -> tuple[Hashable, ..
     return tuple(out)
 
 
-def _expand(form: tuple[Hashable, ...], groups: int, suffix: int) -> list[Item]:
+def _expand(form: tuple[Hashable, ...], groups: int, suffix: int, prefix: int = 1) -> list[Item]:
     items: list[Item] = []
     for part in form:
         if isinstance(part, _Sweep):
-            middle = list(range(1, groups - suffix))
+            middle = list(range(prefix, groups - suffix))
             if part.step == 1:
-                order = [(0, part.head[0])]
+                order = list(enumerate(part.head))
                 order += [(g, part.template) for g in middle]
                 order += [(groups - suffix + k, run) for k, run in enumerate(part.tail)]
             else:
                 order = [(groups - 1 - k, run) for k, run in enumerate(part.head)]
                 order += [(g, part.template) for g in reversed(middle)]
-                order += [(0, part.tail[0])]
+                order += [(prefix - 1 - k, run) for k, run in enumerate(part.tail)]
             for group, run in order[1:] if part.joined else order:
                 items.extend((group, token) for token in run)
         else:
@@ -440,16 +448,21 @@ class _Writer:
 
 def _forms(trace: StepTrace, plan: DepthPlan, steps: int) -> dict[str, Any]:
     labels = label_trace(trace, plan.period)
-    if labels.groups < 3:
+    if labels.groups < plan.prefix + 2:
         raise NotRepeating("too few layers traced")
     streams = trace_streams(trace, labels, steps)
-    forms = {name: _compress(items, labels.groups, plan.suffix) for name, items in streams.items()}
+    forms = {
+        name: _compress(items, labels.groups, plan.suffix, plan.prefix)
+        for name, items in streams.items()
+    }
     return forms
 
 
 def _write(forms: dict[str, Any], plan: DepthPlan, depth: int, template: StepTrace) -> StepTrace:
     groups = plan.groups(depth)
-    streams = {name: _expand(form, groups, plan.suffix) for name, form in forms.items()}
+    streams = {
+        name: _expand(form, groups, plan.suffix, plan.prefix) for name, form in forms.items()
+    }
     return _Writer(groups, plan.period).write(streams, template)
 
 

@@ -28,6 +28,7 @@ from memfit.estimate.step_trace import (
     CATEGORIES,
     FREE,
     FREE_PREV,
+    HOST_OP,
     MARK,
     PHASES,
     Segment,
@@ -50,6 +51,9 @@ class Peak:
     context_bytes: int
     # the highest tensor bytes of each phase (allocated, not reserved, on CUDA)
     phase_peaks: dict[str, int] = field(default_factory=dict)
+    # the most host memory the step holds at once (offloaded activations' host copies, each a
+    # block of CUDA's caching host allocator); 0 when nothing is offloaded
+    host_peak_bytes: int = 0
 
 
 _PHASE_NAMES = {PHASES.index("setup"): "forward"} | {
@@ -105,6 +109,22 @@ def first_forward_backward(
     if first is fb or (first.events == fb.events and first.categories == fb.categories):
         return fb, fb_sizes
     return first, list(first.sizes)
+
+
+def pinned_block_bytes(size: int) -> int:
+    """The block CUDA's caching host allocator gives a pinned tensor of ``size`` bytes: rounded
+    up to a power of two (``CachingHostAllocator.h``: ``PowerOf2Ceil``, below
+    ``pinned_max_round_threshold``, unbounded by default), kept cached when freed."""
+    return 1 << (size - 1).bit_length() if size > 1 else size
+
+
+def _host_allocs(seg: Segment) -> frozenset[int]:
+    """The local ids of ``seg``'s host allocations (op :data:`HOST_OP`), found once per segment."""
+    found: frozenset[int] | None = getattr(seg, "_host_allocs", None)
+    if found is None:
+        found = frozenset(j for j, op in enumerate(seg.ops) if op == HOST_OP)
+        seg._host_allocs = found  # type: ignore[attr-defined]
+    return found
 
 
 class _Sharded:
@@ -234,6 +254,11 @@ class StepWalk:
         self.conversions: list[tuple[int, int, int]] = []
         self.conversion_buffer = 0
         self.fb_after: list[int] = []
+        # host memory (offloaded activations): bytes alive and the most at once; a CUDA
+        # target's blocks are pinned ones (rounded as its caching host allocator rounds them)
+        self.host = 0
+        self.host_peak = 0
+        self.pinned = isinstance(memory, CudaMemory)
 
     def place(self, ids: Iterable[int]) -> None:
         """Allocate the resident tensors ``ids`` (global ids), piece by piece."""
@@ -317,7 +342,12 @@ class StepWalk:
         local = [0] * len(seg_sizes)
         seg_cats = seg.categories
         grads = CAT["gradients"]
+        host = _host_allocs(seg)
         for kind, ref in seg.events:
+            if host and kind in (ALLOC, FREE) and ref in host:
+                # a host copy: host memory, not the device's
+                self._host(seg_sizes[ref], kind == ALLOC)
+                continue
             if kind == ALLOC:
                 size = seg_sizes[ref]
                 local[ref] = malloc(size)
@@ -338,6 +368,10 @@ class StepWalk:
                 raw[seg_cats[ref]] -= seg_sizes[ref]
             elif kind == FREE_PREV:
                 assert prev is not None
+                if ref in _host_allocs(self.walked):
+                    # a host copy kept to the optimizer step (a save no backward node took)
+                    self._host(self.fb_after[ref], False)
+                    continue
                 free(prev[ref])
                 raw[self.walked.categories[ref]] -= self.fb_after[ref]
             else:
@@ -348,6 +382,14 @@ class StepWalk:
                 for size, cat in self.sharded.pieces(ref, sizes[ref], cats[ref]):
                     raw[cat] -= size
         return local
+
+    def _host(self, size: int, alloc: bool) -> None:
+        size = pinned_block_bytes(size) if self.pinned else size
+        if alloc:
+            self.host += size
+            self.host_peak = max(self.host_peak, self.host)
+        else:
+            self.host -= size
 
     def _mark(self, kind: int, ref: int) -> None:
         if kind == MARK:
@@ -406,7 +448,9 @@ def _replay_cpu(
     best = walk.best
     breakdown["allocator_overhead"] = best - sum(walk.best_raw)
     breakdown["runtime_overhead"] = 0
-    return Peak(best, breakdown, walk.best_phase, best, None, 0, walk.phases)
+    return Peak(
+        best, breakdown, walk.best_phase, best, None, 0, walk.phases, host_peak_bytes=walk.host_peak
+    )
 
 
 def _replay_cuda(
@@ -463,5 +507,12 @@ def _replay_cuda(
     breakdown["runtime_overhead"] = context + workspace + nccl
     total = reserved + context + nccl
     return Peak(
-        total, breakdown, walk.best_phase, allocator.max_allocated, reserved, context, walk.phases
+        total,
+        breakdown,
+        walk.best_phase,
+        allocator.max_allocated,
+        reserved,
+        context,
+        walk.phases,
+        host_peak_bytes=walk.host_peak,
     )

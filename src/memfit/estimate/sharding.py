@@ -49,6 +49,15 @@ The schemes (``--sharding``), per rank, with P parameters (Pt of them trainable)
     2P/W more: the 16-bit parameter partition itself, which DeepSpeed's ZeRO-3 formula leaves out
     (its 18 is ZeRO-2's "2 grads 16-bit + 4 grads 32-bit + 4 params 32-bit + 8 optimizer states").
 
+``zero1|zero2|zero3`` with ``--optimizer-offload cpu`` (ZeRO-Offload, ``offload_optimizer``)
+    The fp32 master partition, the optimizer state and the gradient partitions move to host
+    memory (:func:`memfit.estimate.optimizer_offload.host_parts` counts them there); the GPU keeps
+    the 16-bit module (ZeRO-3: its partition), ZeRO-1's whole gradients until the step, the
+    reduce buckets, a gradient buffer of the largest parameter and, at the step, each gradient
+    restored from the host one at a time (its norm and its fp32 copy on the way out). Checked
+    against DeepSpeed 0.19.8's ``estimate_zero2_model_states_mem_needs(cpu_offload=True)``: GPU
+    2P, host 16P/W per rank (its 1.5 ``additional_buffer_factor`` left out).
+
 ``fsdp``
     PyTorch FSDP2 (``fully_shard``) on every transformer block (:func:`memfit.estimate.trace.
     fsdp_blocks`), then on the root, with FSDP's default resharding (blocks reshard after their
@@ -128,6 +137,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.estimate.optimizer_offload import host_parts
 from memfit.estimate.step_trace import (
     ALLOC,
     BLOCK,
@@ -487,6 +497,8 @@ class Buffers:
 
 
 def _state_bytes(size: int, shard: float, numel: int) -> int:
+    if shard == 0.0:
+        return 0  # offloaded to host memory, step counters and all
     if size <= STATE_SCALAR_BYTES and size < 4 * numel:
         return size  # a step counter: one per tensor, whatever the shard
     return _scaled(size, shard)
@@ -587,6 +599,9 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
     Pt = sum(p.numel for p in params if p.trainable)
     b = module_bytes(spec.precision)
     parts = _Parts(drop_casts=spec.precision != "fp32", optimizer_factor=1 / W)
+    # ZeRO-Offload: the master partition, the optimizer state and the gradient partitions live
+    # in host memory (memfit.estimate.optimizer_offload.host_parts counts them there)
+    offload = train and getattr(spec, "optimizer_offload", "none") == "cpu"
     persistent = 0
     spikes: list[int] = []
     for p in params:
@@ -596,7 +611,7 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         # a 16-bit weight (a frozen base held in bf16) stays 16-bit in an fp32 module
         module = min(b, p.itemsize) * (p.numel if keep_whole else -(-p.numel // W))
         pieces = [(module, pcat)]
-        if p.trainable and train:
+        if p.trainable and train and not offload:
             # DeepSpeed's fp32 copy of the partition this rank updates (master weights)
             pieces.append((4 * -(-p.numel // W), scat))
             if stage == 3:
@@ -609,7 +624,8 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         grad = b * p.numel if stage == 1 else 0
         parts.param_sizes.append((grad, grad))
         spikes.append(b * p.numel if stage > 1 and p.trainable and train else 0)
-        parts.state_shard.append(1 / W)
+        # offloaded: no optimizer state on the GPU (a step counter of a few bytes aside)
+        parts.state_shard.append(0.0 if offload else 1 / W)
     parts.gradient_spike_bytes = tuple(spikes) if any(spikes) else ()
     largest = trace.largest_module_parameters
     partitioned = P - persistent
@@ -631,13 +647,17 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         norm = max((b * o + 8 * q for o, q in zip(overlap, rank_pieces, strict=True)), default=0)
         norm -= b * worst
         if train:
-            _zero12_buffers(parts, settings, b, worst)
-    if train and Pt:
+            _zero12_buffers(parts, settings, b, 0 if offload else worst)
+    if offload and Pt:
+        _offload_buffers(
+            parts, stage, b, largest_param, -(-largest_param // W) if stage == 3 else piece
+        )
+    elif train and Pt:
         parts.phase_actions[PHASE["optimizer_step"]] = _step_actions(
             parts, stage, b, norm, group_partition
         )
         parts.optimizer_tensor_factor = group_partition / largest_param
-    fp32_partition = 4 * -(-Pt // W) if train and Pt else 0
+    fp32_partition = 4 * -(-Pt // W) if train and Pt and not offload else 0
     # the module's parameters: b bytes each, but for 16-bit ones in an fp32 module
     narrow = sum(p.numel for p in params if p.itemsize < b)
     model_params = b * (P if stage < 3 else persistent + -(-partitioned // W))
@@ -645,6 +665,22 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
     model_grads = (b * (Pt if stage == 1 else -(-Pt // W))) if train else 0
     master = 4 * -(-Pt // W) if train else 0
     state = _sharded_state_bytes(trace, parts.state_shard) if train else 0
+    host: dict[str, int] | None = None
+    if offload:
+        # in host memory, per rank: ZeRO's model-state categories (DeepSpeed's own estimator
+        # counts these, 16 bytes per parameter over the ranks: fp32 master weights, fp32
+        # gradients, AdamW's two fp32 moments); what DeepSpeed keeps there beyond them is in
+        # details["host"]["parts"]
+        moments = 8 if spec.optimizer == "adamw" else 0
+        host = {
+            "master_weights_bytes": master,
+            "gradients_bytes": 4 * -(-Pt // W),
+            "optimizer_state_bytes": moments * -(-Pt // W),
+        }
+        host["total_bytes"] = sum(host.values())
+        # on the GPU: ZeRO-1's whole gradients until the step; ZeRO-2/3 keep no partition there
+        model_grads = b * Pt if stage == 1 else 0
+        master = 0
     paper_params = b * (P if stage < 3 else -(-P // W))
     paper_params -= (b - 2) * (narrow if stage < 3 else -(-narrow // W))
     implementation = {
@@ -665,10 +701,78 @@ def _zero_parts(trace: StepTrace, spec: StepSpec, scheme: str, W: int, hidden_si
         model_grads,
         master + state,
         implementation,
-        paper=_paper_bytes(scheme, P, W) if applies else None,
-        deepspeed=_deepspeed_bytes(scheme, P, largest, W) if applies else None,
+        paper=_paper_bytes(scheme, P, W) if applies and not offload else None,
+        deepspeed=_deepspeed_bytes(scheme, P, largest, W) if applies and not offload else None,
     )
+    if host is not None:
+        parts.details["model_state"]["host"] = host
+        if spec.device == "cpu":
+            _host_is_the_device(parts, spec, scheme, W, groups)
+        if applies and scheme == "zero2":
+            # DeepSpeed 0.19.8's estimate_zero2_model_states_mem_needs(cpu_offload=True) on one
+            # node, per rank, its additional_buffer_factor (1.5) left out: GPU 2P, host
+            # P·max(4·W, 16) over the node's W ranks
+            parts.details["model_state"]["deepspeed_offload_formula_bytes"] = {
+                "gpu": 2 * P,
+                "host": P * max(4 * W, 16) // W,
+            }
     return parts
+
+
+def _host_is_the_device(
+    parts: _Parts, spec: StepSpec, scheme: str, W: int, groups: list[list[int]]
+) -> None:
+    """ZeRO-Offload on CPU ranks: host memory is the device's, so what DeepSpeed keeps there
+    (:func:`memfit.estimate.optimizer_offload.host_parts`) is held through every phase of the
+    step, beside the module: the master weights and the optimizer state as optimizer state, the
+    gradient partitions and DeepSpeed's buffers as gradients."""
+    held = host_parts(
+        spec,
+        trainable_parameters=sum(map(sum, groups)),
+        trainable_dtype_bytes=4,
+        world_size=W,
+        sharding=scheme,
+        parameter_groups=groups,
+    )
+    state = held.pop("master_weights", 0) + held.pop("optimizer_state", 0)
+    every = frozenset(PHASE.values())
+    parts.windows.append(Window("host.optimizer_state", state, CAT["optimizer_state"], every))
+    parts.windows.append(Window("host.gradients", sum(held.values()), CAT["gradients"], every))
+
+
+def _offload_buffers(parts: _Parts, stage: int, b: int, largest: int, piece: int) -> None:
+    """ZeRO-Offload's GPU buffers (``stage_1_and_2.py``): a buffer of the largest parameter in
+    the module's dtype that accumulated gradients come back through
+    (``temp_grad_buffer_for_gpu_offload``, allocated with the optimizer and kept); at the step,
+    each gradient restored whole from the host, its piece's float64 copy for its norm (``set_norm_for_param_grad_in_gpu``) and,
+    from a 16-bit module, its fp32 copy on the way to the host
+    (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), one piece at a time. The update itself
+    runs on the CPU: no flat partition, no optimizer temporaries on the GPU. ZeRO-3 keeps its
+    reduced gradient partitions in host memory too."""
+    gcat = CAT["gradients"]
+    if stage < 3:
+        parts.windows.append(
+            Window("offload_gradient_buffer", b * largest, gcat, frozenset(PHASE.values()))
+        )
+    # memfit train's caller-owned boundary: at the step each accumulated gradient comes back
+    # whole from the host (``_restore_cpu_offload_grad_to_gpu``: a clone, freed once copied out)
+    restored = b * largest if stage < 3 else 0
+    actions: list[Action] = [
+        ("alloc", "step.restored_gradient", restored, gcat),
+        ("alloc", "step.gradient_norm", 8 * piece, gcat),
+        ("free", "step.gradient_norm", 8 * piece, gcat),
+    ]
+    if b != 4:
+        actions += [
+            ("alloc", "step.fp32_gradient_piece", 4 * piece, gcat),
+            ("free", "step.fp32_gradient_piece", 4 * piece, gcat),
+        ]
+    actions.append(("free", "step.restored_gradient", restored, gcat))
+    parts.phase_actions[PHASE["optimizer_step"]] = tuple(actions)
+    parts.optimizer_factor = 0.0
+    parts.details.setdefault("gather", {})["offload_gradient_buffer_bytes"] = (
+        b * largest if stage < 3 else 0
+    )
 
 
 def deepspeed_param_groups(params: list[ParamInfo]) -> list[list[int]]:
@@ -760,8 +864,9 @@ def _zero12_buffers(parts: _Parts, settings: ZeroSettings, b: int, worst: int) -
     bucket = _reduce_bucket_bytes(settings, b)
     gcat, bwd, opt = CAT["gradients"], PHASE["backward"], PHASE["optimizer_step"]
     parts.windows.append(Window("reduce_buckets", bucket, gcat, frozenset({bwd})))
+    # (0 under ZeRO-Offload: the reduced gradients go straight to the host partition)
     partition = b * worst
-    if settings.stage == 2:
+    if settings.stage == 2 and partition:
         parts.windows.append(Window("gradient_partition", partition, gcat, frozenset({bwd, opt})))
     parts.details["gather"] = {
         "reduce_bucket_bytes": bucket,

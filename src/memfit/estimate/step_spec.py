@@ -41,7 +41,24 @@ class StepSpec:
     # the causal-LM token loss: "standard" (full logits) or "fused-linear" (chunked from the last
     # hidden states and the head's weight, the logits never whole)
     cross_entropy: str = "standard"
+    # the tensors saved for backward wait in host memory (the device keeps what the offloading
+    # implementation keeps: small tensors, the head's, the copies in flight)
+    activation_offloading: bool = False
+    # where the optimizer's state lives and steps: "none" (the device) or "cpu" (host memory)
+    optimizer_offload: str = "none"
+    # causal LM: rows packed into each sequence (the job's --packing and --packing-strategy); see
+    # ``packed``
+    packing: bool = False
+    packing_strategy: str = "bfd"
     # CUDA only: the SM version whose SDPA kernels the estimate emulates (75 for a T4). 80 stands
     # for every sm80+ GPU (flash and memory-efficient attention); below it there is no flash
     # attention, below 50 no memory-efficient attention either (see memfit.estimate.sdpa_emulation)
     sdpa_sm: int = 80
+
+    @property
+    def packed(self) -> bool:
+        """Whether the step's sequences hold rows packed padding-free (``--packing`` with the
+        ``bfd`` strategy, causal LM): each row its own position ids, no padding mask, so
+        transformers keeps the rows apart (a block-diagonal mask on SDPA and eager attention,
+        flash attention's variable-length path). ``wrapped`` blocks are plain full sequences."""
+        return self.task == "causal-lm" and self.packing and self.packing_strategy == "bfd"

@@ -44,6 +44,29 @@ def sized_allocation(dims: tuple[int, ...], formula: SizeFormula) -> Iterator[No
         _pending_hint.clear()
 
 
+# the op of an allocation that is host memory, not the device's: an offloaded activation's host
+# copy (memfit.step.offload). The replays keep its bytes apart (Peak.host_peak_bytes)
+HOST_OP = "host_copy"
+_host_marks: list[bool] = []
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Record the next allocation as host memory (op :data:`HOST_OP`): it is fitted, extended in
+    depth and cached with the device's allocations, and counted apart from them by the replays."""
+    _host_marks.append(True)
+    try:
+        yield
+    finally:
+        _host_marks.clear()
+
+
+def take_host_mark() -> bool:
+    """Whether the allocation being recorded is inside :func:`host_allocation` (taken, so that it
+    applies to that allocation only)."""
+    return bool(_host_marks) and _host_marks.pop()
+
+
 def take_size_hint() -> tuple[tuple[int, ...], SizeFormula] | None:
     """The (dims, formula) of a :func:`sized_allocation` around the allocation being recorded,
     taken so that it applies to that allocation only; None outside one."""

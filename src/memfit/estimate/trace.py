@@ -36,15 +36,20 @@ from memfit.estimate.step_trace import (
     FREE,
     FREE_PREV,
     FREE_RES,
+    HOST_OP,
     MARK,
     PHASE,
     ParamInfo,
     Segment,
     SizeFormula,
     StepTrace,
+    host_allocation,
+    sized_allocation,
+    take_host_mark,
     take_size_hint,
 )
 from memfit.estimate.workload import StepSpec
+from memfit.step import offload
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -117,6 +122,8 @@ class StorageRecorder(TorchDispatchMode):
         self.sizes.append(nbytes)
         self.categories.append(category)
         # a declared allocation may come from different ops (a placeholder or the real copy)
+        if take_host_mark():
+            op = HOST_OP  # an offloaded activation's host copy: counted apart by the replays
         self.ops.append("declared" if formula is not None else op)
         self.phases.append(self.phase)
         self.events.append((ALLOC, alloc))
@@ -269,6 +276,8 @@ class _Tracer:
     autocast: AutocastFactory
     step_modes: Callable[[], contextlib.AbstractContextManager[Any]]
     backward_modes: Callable[[], contextlib.AbstractContextManager[Any]] | None
+    # --activation-offloading: the emulation entered around each forward and backward
+    offload: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     @property
     def train(self) -> bool:
@@ -298,7 +307,13 @@ class _Tracer:
         )
         _mark_blocks(blocks, recorder)
         train = spec.mode == "train"
-        optimizer = workload.make_optimizer(spec.optimizer, model, spec.device) if train else None
+        optimizer = (
+            workload.make_optimizer(
+                spec.optimizer, model, spec.device, offload=spec.optimizer_offload
+            )
+            if train
+            else None
+        )
         scaler = workload.make_scaler(spec, spec.device, fake=True)
         if autocast is None:
             autocast = workload.default_autocast(spec, "cpu")
@@ -318,12 +333,14 @@ class _Tracer:
             autocast=autocast,
             step_modes=step_modes or contextlib.nullcontext,
             backward_modes=backward_modes,
+            offload=_offload_factory(model, spec, recorder),
         )
 
     def run(self, batch_size: int, seq_len: int, *, step_optimizer: bool) -> set[int]:
         """Run one step under the recorder; the allocation ids of the gradients it made."""
         recorder, spec, model = self.recorder, self.spec, self.model
         grad_ids: set[int] = set()
+        _count_tokens(self.offload, batch_size, seq_len)
         with self.fake_mode, recorder, self.step_modes():
             recorder.set_phase("setup")
             batch = workload.make_batch(self.config, spec, batch_size, seq_len)
@@ -340,6 +357,7 @@ class _Tracer:
                     autocast=self.autocast,
                     backward_modes=self.keeper.wrap(self.backward_modes or contextlib.nullcontext),
                     recorder=recorder,
+                    offload=self.offload,
                 )
                 for param_index, p in enumerate(self.params):
                     if p.grad is not None and (i := recorder.alloc_id(p.grad)) is not None:
@@ -407,6 +425,53 @@ class _Tracer:
             steady=steady,
             first_optimizer_globals=first_optimizer_globals,
         )
+
+
+def _offload_factory(
+    model: torch.nn.Module, spec: StepSpec, recorder: StorageRecorder
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The activation offloading the step runs (``spec.activation_offloading``), emulated by the
+    rules of the implementation the target device runs (:mod:`memfit.step.offload`); a CUDA
+    target's host copies are recorded as host memory, the CPU's are its own memory."""
+    if not spec.activation_offloading or spec.mode != "train":
+        return contextlib.nullcontext
+    target = offload.implementation(spec.device)
+    host = spec.device != "cpu"
+
+    def host_copy(tensor: torch.Tensor, whole_storage: bool) -> torch.Tensor:
+        with host_allocation() if host else contextlib.nullcontext():
+            if not whole_storage:
+                return torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+            return _storage_copy(recorder, tensor)
+
+    emulation = offload.OffloadEmulation(model, target, host_copy)
+    return lambda: emulation
+
+
+def _storage_copy(recorder: StorageRecorder, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s whole storage whose recorded dims are those its storage was
+    recorded with (so that its size fits across shapes as the storage's does): bytes in the
+    storage's dims times its element size, or under the storage's own size formula."""
+    alloc = recorder.alloc_id(tensor)
+    nbytes = int(tensor.untyped_storage().nbytes())
+    if alloc is not None and recorder.formulas[alloc] is not None:
+        formula = recorder.formulas[alloc]
+        assert formula is not None
+        with sized_allocation(recorder.shapes[alloc], formula):
+            return torch.empty(nbytes, dtype=torch.uint8)
+    if alloc is not None and recorder.itemsizes[alloc] > 0:
+        return torch.empty((*recorder.shapes[alloc], recorder.itemsizes[alloc]), dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _count_tokens(offload_modes: Any, batch_size: int, seq_len: int) -> None:
+    """Tell the offloading emulation the traced step's token dims (see
+    :attr:`memfit.step.offload.OffloadEmulation.token_dims`): the sequence, the sequence less
+    the shifted token, and both times the batch."""
+    emulation = offload_modes()
+    if isinstance(emulation, offload.OffloadEmulation):
+        dims = {seq_len, seq_len - 1}
+        emulation.token_dims = frozenset(dims | {batch_size * d for d in dims})
 
 
 def _register_residents(

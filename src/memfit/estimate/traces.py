@@ -33,6 +33,7 @@ from memfit.estimate.replay import Peak, replay_step
 from memfit.estimate.sharding import layout as sharding_layout
 from memfit.estimate.trace import StepTrace, trace_steps
 from memfit.estimate.workload import StepSpec
+from memfit.step import offload
 
 __all__ = [
     "NotTraced",
@@ -305,7 +306,7 @@ def trace_model(
     (:mod:`memfit.estimate.depth`): the same trace, allocation for allocation, in a fraction of
     the time. Where the layers do not repeat, it traces the whole model and says why.
     """
-    plan, reason = depth_.plan_depth(config)
+    plan, reason = depth_.plan_depth(config, prefix=_literal_prefix(spec))
     layers = getattr(config, "num_hidden_layers", None)
     if trace_depth == "full":
         reason = "--trace-depth full"
@@ -335,6 +336,16 @@ def trace_model(
     progress.report(f"tracing all {layers} layers ({len(shapes)} shapes)")
     info: dict[str, Any] = {"mode": "full", "depth": layers, "reason": reason}
     return _run_trace(config, spec, shapes), info
+
+
+def _literal_prefix(spec: StepSpec) -> int:
+    """The layers at the start whose events the depth extrapolation keeps literal. Activation
+    offloading's forward stash frees a save's device tensor ``FORWARD_STASH`` saves later; with
+    checkpointing a layer saves as little as its input, so the first layers' events differ from
+    the rest's for that many layers (one more for the first layer's own)."""
+    if spec.activation_offloading and spec.gradient_checkpointing and spec.mode == "train":
+        return 1 + offload.FORWARD_STASH
+    return 1
 
 
 def _run_trace(config: Any, spec: StepSpec, shapes: list[tuple[int, int]]) -> StepTrace:

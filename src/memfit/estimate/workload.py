@@ -23,6 +23,7 @@ from memfit import step
 from memfit.errors import UsageError
 from memfit.estimate import quantized
 from memfit.estimate.attention import config_attention
+from memfit.estimate.optimizer_offload import HostSteppedOptimizer
 from memfit.estimate.step_spec import PRECISION_DTYPES, StepSpec
 from memfit.estimate.task_model import BiEncoder, lora_head_modules
 from memfit.extras import require
@@ -367,6 +368,23 @@ def make_batch(
             "attention_mask": mask(),
             "labels": torch.randint(0, spec.num_labels, (batch_size,), device=device),
         }
+    if spec.task == "causal-lm" and spec.packed:
+        # padding-free packing (--packing-strategy bfd): two rows per sequence, their own
+        # position ids and no padding mask, as memfit train feeds them. On SDPA and eager
+        # attention transformers builds the block-diagonal (B, 1, T, T) mask from the positions
+        # (on fake tensors it cannot tell one row from several and always builds it; a real
+        # step of one row per sequence builds none). Flash attention's variable-length path
+        # takes a single flattened row of B·T tokens, which allocates what its dense kernel does
+        # on B rows of T (no padding to undo): the batch has no positions there, the dense path
+        ids = tokens()
+        packed: dict[str, Any] = {"input_ids": ids, "attention_mask": None, "labels": ids}
+        if "flash" not in spec.attn_implementation:
+            first = seq_len // 2
+            positions = torch.cat(
+                [torch.arange(first, device=device), torch.arange(seq_len - first, device=device)]
+            )
+            packed["position_ids"] = positions.expand(batch_size, -1).contiguous()
+        return packed
     if spec.task == "causal-lm":
         ids = tokens()
         return {"input_ids": ids, "attention_mask": mask(), "labels": ids}
@@ -422,15 +440,26 @@ class Int8AdamStateModel(torch.optim.Optimizer):
 
 
 def make_optimizer(
-    name: str, model: nn.Module, device_type: str, *, lr: float = 1e-5
+    name: str, model: nn.Module, device_type: str, *, lr: float = 1e-5, offload: str = "none"
 ) -> torch.optim.Optimizer:
     """The optimizer as the target device runs it by default.
 
     torch picks the foreach (multi-tensor) implementation on CUDA and the for-loop one on the CPU;
     their temporaries differ (foreach AdamW holds a square-root copy of every second moment at once).
+
+    ``offload="cpu"`` on a GPU: the device side of torchao's ``CPUOffloadOptimizer``
+    (:class:`memfit.estimate.optimizer_offload.HostSteppedOptimizer`): no state on the device but
+    that of the parameters under 4096 elements, which torchao steps there; what lives in host
+    memory is :func:`memfit.estimate.optimizer_offload.host_parts`. On the CPU device host and
+    device are the same memory: the optimizer as without offloading.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     foreach = device_type == "cuda"
+    if offload == "cpu" and device_type != "cpu":
+        # torchao's on-device optimizer for the small parameters is the same class (its fused
+        # AdamW there; traced as foreach: the temporaries of a few vectors are negligible)
+        base = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+        return HostSteppedOptimizer(params, lambda kept: base(kept, lr=lr, foreach=foreach), lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=foreach)
     if name == "sgd":
@@ -496,6 +525,8 @@ def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> tor
             labels,
             units=units,
             cross_entropy=spec.cross_entropy,
+            # packed rows (spec.packed): each its own positions, no padding mask
+            position_ids=batch.get("position_ids"),
         )
     loss = "mnrl" if spec.loss == "cached-mnrl" else spec.loss
     if loss in step.SENTENCE_LOSSES and _sentence_transformers():
@@ -641,25 +672,29 @@ def forward_backward(
     autocast: ModeFactory = contextlib.nullcontext,
     backward_modes: ModeFactory = contextlib.nullcontext,
     recorder: Any = None,
+    offload: ModeFactory = contextlib.nullcontext,
 ) -> None:
-    """Forward with loss, then backward: the gradients of one batch."""
-    if spec.loss == "cached-mnrl":
-        _cached_mnrl_forward_backward(
-            model,
-            batch,
-            spec,
-            scaler=scaler,
-            autocast=autocast,
-            backward_modes=backward_modes,
-            recorder=recorder,
-        )
-        return
-    with phase(recorder, "forward"), autocast():
-        loss = compute_loss(model, batch, spec)
-    with phase(recorder, "backward"), backward_modes():
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        # free the graph's last reference before the optimizer runs, as a training loop does
-        del loss
+    """Forward with loss, then backward: the gradients of one batch. ``offload``: the activation
+    offloading context (:mod:`memfit.step.offload`) entered around both, as TRL enters its own
+    around a training step (the forward's saves go to the host, the backward brings them back)."""
+    with offload():
+        if spec.loss == "cached-mnrl":
+            _cached_mnrl_forward_backward(
+                model,
+                batch,
+                spec,
+                scaler=scaler,
+                autocast=autocast,
+                backward_modes=backward_modes,
+                recorder=recorder,
+            )
+            return
+        with phase(recorder, "forward"), autocast():
+            loss = compute_loss(model, batch, spec)
+        with phase(recorder, "backward"), backward_modes():
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            # free the graph's last reference before the optimizer runs, as a training loop does
+            del loss
 
 
 def _cached_mnrl_forward_backward(
@@ -729,9 +764,13 @@ def training_step(
     scaler: Any = None,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     recorder: Any = None,
+    offload: ModeFactory = contextlib.nullcontext,
 ) -> None:
-    """Forward with loss, backward, optimizer step, zero_grad: one steady-state training step."""
-    forward_backward(model, batch, spec, scaler=scaler, autocast=autocast, recorder=recorder)
+    """Forward with loss, backward, optimizer step, zero_grad: one steady-state training step
+    (``offload``: see :func:`forward_backward`)."""
+    forward_backward(
+        model, batch, spec, scaler=scaler, autocast=autocast, recorder=recorder, offload=offload
+    )
     with phase(recorder, "optimizer_step"):
         if scaler is not None:
             scaler.step(optimizer)

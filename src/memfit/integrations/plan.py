@@ -145,6 +145,16 @@ def _guess_task(model: Any, reference: str) -> str | None:
     return None
 
 
+def _own_offloading(args: Any, names: set[str]) -> bool | None:
+    """The arguments' activation offloading as the plan must take it: TRL's SFTConfig has the
+    field (its SFTTrainer offloads when it is on), so on is kept and off leaves the plan free to
+    choose it; arguments without the field (plain TrainingArguments) are planned without it,
+    since their trainer would not offload what the plan moved to the host."""
+    if "activation_offloading" not in names:
+        return False
+    return True if getattr(args, "activation_offloading", False) else None
+
+
 def _wanted(
     args: Any, settings: dict[str, Any], own: dict[str, Any], per_rank: int
 ) -> dict[str, Any]:
@@ -273,7 +283,10 @@ def apply_plan(
     Liger's would not run (liger-kernel not installed, arguments on the CPU, a model type Liger
     does not patch: :func:`own_cross_entropy`); else the plan may choose Liger's fused linear
     cross-entropy (``use_liger_kernel`` and a ``liger_kernel_config`` that patches only the
-    loss). Raises :class:`~memfit.errors.UsageError` for bad input (no budget on a
+    loss). Activation offloading is planned only for arguments that have TRL's
+    ``activation_offloading`` field (``SFTConfig``: its trainer offloads when it is set; set
+    already, it is kept): plain ``TrainingArguments`` are planned without it. Raises
+    :class:`~memfit.errors.UsageError` for bad input (no budget on a
     machine without a GPU, an unknown model) and :class:`~memfit.errors.NothingFitsError` when
     no configuration fits, with what would help.
     """
@@ -357,6 +370,7 @@ def apply_plan(
                 weights_dtype=weights_dtype,
                 # the loss pin is a causal LM's (the plan refuses it for other tasks)
                 cross_entropy=cross_entropy if resolved_task == "causal-lm" else None,
+                activation_offloading=_own_offloading(args, names),
             )
         except UsageError as exc:
             text = str(exc)

@@ -26,6 +26,7 @@ from memfit.errors import UsageError
 from memfit.integrations._guard import TrainerGuardMixin
 from memfit.integrations._weights import model_weights_dtype
 from memfit.integrations.plan import PlannedArguments, apply_plan, own_cross_entropy
+from memfit.step import offload
 
 logger = logging.getLogger("memfit.integrations")
 
@@ -129,8 +130,24 @@ class GuardedTrainer(TrainerGuardMixin, Trainer):
         **kwargs: Any,
     ) -> None:
         self._guard_init(memory_cap=memory_cap, grow_after=grow_after)
+        self._memfit_offload: Any = None  # TRL's activation offloading context, once built
         self.memfit_plan: PlannedArguments | None = None
         if memfit_plan:
             args, kwargs, self.memfit_plan = plan_trainer_arguments(args, kwargs, memfit_plan)
         super().__init__(*args, **kwargs)
         self._guard_check_arguments()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The guarded training step, inside the activation offloading context when the
+        arguments say ``activation_offloading`` (TRL's ``SFTConfig``): the context TRL's
+        SFTTrainer enters around its training step (:func:`memfit.step.offload.offload_context`),
+        so that arguments a plan set it in run what the plan priced."""
+        if not getattr(self.args, "activation_offloading", False):
+            return super().training_step(*args, **kwargs)
+        if self._memfit_offload is None:
+            # built once: TRL's hooks the model's output head
+            model = self.model
+            assert model is not None  # a Trainer trains a model
+            self._memfit_offload = offload.offload_context(model, self.args.device.type)
+        with self._memfit_offload:
+            return super().training_step(*args, **kwargs)

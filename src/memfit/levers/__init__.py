@@ -21,6 +21,7 @@ from typing import Any
 
 from memfit.knobs import AnyJob as Job
 from memfit.levers import (
+    activation_offloading,
     attention,
     batch,
     checkpointing,
@@ -28,6 +29,8 @@ from memfit.levers import (
     lora,
     mini_batch,
     optimizer,
+    optimizer_offload,
+    packing,
     precision,
     quantization,
     sharding,
@@ -47,6 +50,9 @@ LEVERS: tuple[Lever, ...] = tuple(
             checkpointing.LEVER,
             attention.LEVER,
             cross_entropy.LEVER,
+            activation_offloading.LEVER,
+            optimizer_offload.LEVER,
+            packing.LEVER,
             optimizer.LEVER,
             weights.LEVER,
             truncation.LEVER,

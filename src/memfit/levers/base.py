@@ -191,6 +191,12 @@ class Lever:
         the plan's cost model adds them up. 0: none."""
         return 0.0
 
+    def step_seconds(self, values: Mapping[str, Any], shape: Any, gpu: Any) -> float:
+        """Seconds the lever's ``values`` add to each optimizer step, once per effective batch
+        whatever its micro-batches (an update that runs on the CPU, state or gradients crossing
+        the host link: optimizer offload); the plan's cost model adds them up. 0: none."""
+        return 0.0
+
     def time_words(self, values: Mapping[str, Any]) -> str | None:
         """What :meth:`pass_seconds` charges for ``values``, in a few words (the plan's
         throughput line: "plus ..."); None: nothing."""

@@ -118,7 +118,8 @@ class Levers:
     def paged_swap(self, base_optimizer: str) -> bool:
         """A paged optimizer instead of the job's own: searched after its tier's other knobs."""
         values, base = self.values, {"optimizer": base_optimizer}
-        return any(lever.last_resort(values, base) for lever in LEVERS)
+        # the optimizer lever's last resort only: offloading is one too, and no paged optimizer
+        return BY_NAME["optimizer"].last_resort(values, base)
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,10 @@ class Plan:
     train_file: str | None = None
     # the flags that say how to read it (--text-column, --prompt-column, ...), as given to plan
     data_flags: str = ""
+    # the budget on host memory (what offloading keeps there), and what the chosen configuration
+    # keeps there (None: nothing)
+    host_budget_bytes: int | None = None
+    predicted_host_bytes: int | None = None
 
     @property
     def plan(self) -> dict[str, Any] | None:
@@ -217,6 +222,8 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "min_required_bytes": self.min_required_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "predicted_host_bytes": self.predicted_host_bytes,
             "plan": self.plan,
             "predicted_samples_per_second": round(self.predicted_samples_per_second, 3),
             "alternatives": [c.to_dict() for c in self.alternatives],

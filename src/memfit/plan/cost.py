@@ -12,7 +12,7 @@ the efficiency rises with the tokens in the micro-batch and saturates:
 ``efficiency = E_MAX · t / (t + T_HALF)`` (half of ``E_MAX`` at ``T_HALF`` tokens). Each optimizer
 step also streams the optimizer's bytes per trainable parameter through memory once.
 
-Two costs in time no FLOP count shows:
+Costs in time no FLOP count shows:
 
 * **What a lever adds to each pass over the weights**, each lever's own model
   (:meth:`memfit.levers.base.Lever.pass_seconds`, added up): 4-bit base weights (QLoRA) are
@@ -20,7 +20,13 @@ Two costs in time no FLOP count shows:
   the model and its fit (:mod:`memfit.levers.quantization`).
 * **What a lever adds to each micro-batch by its tokens**
   (:meth:`memfit.levers.base.Lever.micro_seconds`): a fused linear cross-entropy reads the head's
-  weight once per chunk of tokens (:mod:`memfit.levers.cross_entropy` states the model).
+  weight once per chunk of tokens (:mod:`memfit.levers.cross_entropy` states the model); saved
+  activations offloaded to host memory cross the host link and back where the compute does not
+  hide them (:mod:`memfit.levers.activation_offloading`).
+* **What a lever adds to each optimizer step** (:meth:`memfit.levers.base.Lever.step_seconds`,
+  once per effective batch): optimizer state in host memory is updated by the CPU, and the
+  gradients and weights cross the host link (:mod:`memfit.levers.optimizer_offload`). The host
+  link's rate is the catalog's (:attr:`memfit.devices.catalog.Gpu.host_link_gbps`).
 * **Paged optimizers** (bitsandbytes' paged AdamW): their state lives in CUDA unified memory,
   outside PyTorch's allocator, and the driver evicts it to host memory when the GPU runs short.
   Resident, an update streams what its unpaged twin does; a plan only needs a paged optimizer
@@ -62,8 +68,6 @@ OPTIMIZER_BYTES_PER_PARAMETER = {o.name: o.bytes_per_parameter for o in OPTIMIZE
 OPTIMIZER_BYTES_PER_PARAMETER |= {
     name: OPTIMIZER_BYTES_PER_PARAMETER[twin] for name, (twin, _state) in PAGED_OPTIMIZERS.items()
 }
-# practical host-to-GPU copy rates of a x16 link: PCIe 3.0 (before Ampere), 4.0, 5.0 (Hopper)
-HOST_LINK_BYTES_PER_SECOND = {(0, 0): 12e9, (8, 0): 24e9, (9, 0): 48e9}
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,10 @@ def is_paged(optimizer: str) -> bool:
 
 
 def host_link_bytes_per_second(gpu: Gpu) -> float:
-    """The host link's practical copy rate for ``gpu``'s generation (by compute capability)."""
-    return max(v for k, v in HOST_LINK_BYTES_PER_SECOND.items() if gpu.compute_capability >= k)
+    """The host link's usable copy rate for ``gpu``, one direction (the catalog's
+    ``host_link_gbps``: its PCIe generation and width, or NVLink-C2C, at the share pinned
+    copies reach)."""
+    return gpu.host_link_gbps * 1e9
 
 
 def optimizer_seconds(
@@ -249,4 +255,6 @@ def samples_per_second(
     step_seconds = accumulation_steps * micro_seconds + optimizer_seconds(
         shape, gpu, optimizer, lora_rank if lora else None
     )
+    # and what they add to each optimizer step (an update on the CPU, over the host link)
+    step_seconds += sum(lever.step_seconds(values or {}, shape, gpu) for lever in LEVERS)
     return world_size * micro_batch_size * accumulation_steps / step_seconds

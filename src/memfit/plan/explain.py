@@ -61,6 +61,7 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     chosen = _chosen(job, c)
     for lever in LEVERS:
         lines += lever.plan_lines(chosen)
+    lines += _host_lines(job, result)
     lines.append(
         f"Predicted throughput {_rate(c.predicted_samples_per_second)} samples/s "
         f"(cost model: 6·params·tokens FLOPs plus recompute"
@@ -76,6 +77,18 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     if train:
         lines.append(f"Train: {train}")
     return lines
+
+
+def _host_lines(job: Search, result: Plan) -> list[str]:
+    """What the chosen configuration keeps in host memory, against the host budget."""
+    host = result.predicted_host_bytes
+    if host is None or job.host_budget is None:
+        return []
+    return [
+        f"Host memory: {_gib(host)} of the {_gib(job.host_budget)} host budget (--host-memory; "
+        "default this machine's memory) for what is offloaded there, pinned; the host's own "
+        "needs (the data loader, the Python process) come on top."
+    ]
 
 
 def _batch_lines(job: Search, result: Plan, c: Candidate) -> list[str]:

@@ -73,6 +73,7 @@ from memfit.plan import cost
 from memfit.plan.configuration import LORA_RANK, QLORA, TIERS, Candidate, Levers, Plan
 from memfit.plan.data_profile import DataProfile
 from memfit.plan.explain import explain, suggest
+from memfit.plan.limits import machine_memory_bytes
 from memfit.plan.search import (
     MAX_MICRO_ROWS,
     MAX_MICRO_TOKENS,
@@ -132,6 +133,7 @@ def plan(
     attn_implementation: str = "sdpa",
     sharding: str = "none",
     trace_depth: str = "auto",
+    host_memory: int | str | None = None,
     **pins: Any,
 ) -> Plan:
     """Choose micro-batch, accumulation, precision, checkpointing (and, when allowed, optimizer,
@@ -151,7 +153,9 @@ def plan(
     ``trace_depth``: as :func:`memfit.estimate`'s (``full`` traces every layer of every knob set).
 
     The budget is ``gpu_memory``, else the memory of the catalog GPU ``gpu``, else the free memory
-    of this machine's GPU. Returns a :class:`Plan`; ``plan.fits`` is False (and ``plan.plan`` None)
+    of this machine's GPU. ``host_memory`` (default: this machine's total memory) is the budget
+    of what an offloading lever keeps in host memory (``Estimate.details["host"]``): a
+    configuration over it does not fit. Returns a :class:`Plan`; ``plan.fits`` is False (and ``plan.plan`` None)
     when nothing fits, with the least memory any configuration needs and suggestions.
     """
     allowed = [a.strip().lower() for a in allow if a.strip()]
@@ -176,8 +180,14 @@ def plan(
         gpu_memory=gpu_memory,
         gpu=gpu,
         trace_depth=trace_depth,
+        host_memory=host_memory,
     )
     budget, card, gpu_name, notes = _resolve_budget(budget, card, precision)
+    host_budget = (
+        machine_memory_bytes()
+        if host_memory is None
+        else parse_size(host_memory, name="--host-memory")
+    )
     resolved_loss = job.resolved_loss
     if resolved_loss == "cached-mnrl":
         resolved_loss = "mnrl"  # the plan decides whether to cache
@@ -221,6 +231,7 @@ def plan(
         sharding=sharding,
         trace_depth=trace_depth,
         base_rank=job.lora_rank or 0,
+        host_budget=host_budget,
     )
     whole = trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None
     if whole and not depth.few_layers(model_spec.config):
@@ -250,6 +261,10 @@ def plan(
         base_optimizer=optimizer,
         attn_implementation=attn_implementation,
         pinned=_pinned(job),
+        host_budget_bytes=host_budget,
+        predicted_host_bytes=None
+        if chosen is None
+        else search.host(chosen.knobs, chosen.mini_batch_size or chosen.micro_batch_size),
     )
     _conclude(result, search, space, evaluated, profile, notes)
     return result
@@ -366,6 +381,7 @@ def _validate(
     gpu_memory: int | str | None,
     gpu: str | None,
     trace_depth: str,
+    host_memory: int | str | None = None,
 ) -> tuple[ModelSpec, int | None, Gpu | None]:
     """Every problem with the input at once, as one :class:`UsageError`: the job's knobs
     (:meth:`memfit.job.Job.problems`), then the plan's own (margin, levers, budget, GPU, model,
@@ -377,6 +393,7 @@ def _validate(
         gpu_memory=gpu_memory,
         gpu=gpu,
         trace_depth=trace_depth,
+        host_memory=host_memory,
     )
     if problems:
         raise UsageError("; ".join(problems))
@@ -393,6 +410,7 @@ def _problems(
     gpu: str | None,
     trace_depth: str,
     packages: bool = True,
+    host_memory: int | str | None = None,
 ) -> tuple[list[str], ModelSpec | None, int | None, Gpu | None]:
     """:func:`_validate`'s problems (``packages``: with those of packages not installed), the
     model, the budget and the card, without raising."""
@@ -416,6 +434,12 @@ def _problems(
             budget = parse_size(gpu_memory, name="--gpu-memory")
             if budget <= 0:
                 problems.append(f"--gpu-memory: must be more than 0 bytes, got {gpu_memory!r}")
+        except UsageError as exc:
+            problems.append(str(exc))
+    if host_memory is not None:
+        try:
+            if parse_size(host_memory, name="--host-memory") <= 0:
+                problems.append(f"--host-memory: must be more than 0 bytes, got {host_memory!r}")
         except UsageError as exc:
             problems.append(str(exc))
     card: Gpu | None = None
@@ -564,11 +588,39 @@ def _min_required(search: Search, space: Space) -> tuple[int, str]:
     """The least memory any allowed configuration needs, and the precision that needs it: every
     lever at its most frugal, the smallest micro-batch, each precision and optimizer tried (which
     is smaller depends on the model: mixed precision halves activations but adds a half-precision
-    copy of the weights)."""
-    search.least = {k: search.peak(k, 1) for k in search.frugal()}
+    copy of the weights).
+
+    The last-resort values (offloading, a paged optimizer: their time the memory does not show)
+    are searched only when nothing fits without them, so the least is first found without them:
+    when that fits, the plan never needs them, and tracing their configurations would only slow
+    it down. Only when it does not are they priced too (``min_required_bytes`` then counts them);
+    a configuration over the host budget is no least."""
+    plain = _without_last_resort(space)
+    least = {k: search.peak(k, 1) for k in search.frugal(plain)}
+    if not least or min(least.values()) > search.usable:
+        least |= {k: search.peak(k, 1) for k in search.frugal()}
+    within = {k: peak for k, peak in least.items() if _host_fits(search, k)}
+    search.least = within or least
     need, precision = min((peak, k.precision) for k, peak in search.least.items())
     search.frugal_precision = precision
     return need, precision
+
+
+def _without_last_resort(space: Space) -> Space:
+    """``space`` without the values taken only as a last resort (:meth:`Lever.last_resort`)."""
+    base = space.base
+    options = tuple(
+        (lever, kept or options[:1])
+        for lever, options in space.options
+        for kept in [tuple(o for o in options if not lever.last_resort(o, base))]
+    )
+    return dataclasses.replace(space, options=options, _runs={})
+
+
+def _host_fits(search: Search, knobs: Levers) -> bool:
+    """Whether what ``knobs`` keep in host memory at micro-batch 1 fits the host budget."""
+    host = search.host(knobs, 1)
+    return host is None or search.host_budget is None or host <= search.host_budget
 
 
 SCALE_OUT_STEPS = 3  # world sizes priced beyond the one asked: ×2, ×4, ×8

@@ -140,9 +140,13 @@ class Search:
     trace_depth: str = "auto"
     # the job's own LoRA rank (0: full fine-tuning); its other pins are the space's base
     base_rank: int = 0
+    # the budget on host memory, for what an offloading lever moves there (None: unchecked)
+    host_budget: int | None = None
     # the least configurations (every lever at its most frugal, micro-batch 1) and their peaks
     least: dict[Levers, int] = field(default_factory=dict)
     _estimates: dict[tuple[Levers, int], int] = field(default_factory=dict)
+    # host memory of the estimates that keep something there (``details["host"]``)
+    _hosts: dict[tuple[Levers, int], int] = field(default_factory=dict)
     _model_states: dict[tuple[Levers, int], int] = field(default_factory=dict)
     _orders: dict[Levers, tuple[int, bool]] = field(default_factory=dict)
 
@@ -209,7 +213,23 @@ class Search:
             result = estimate(self.model, **self.estimate_kwargs(knobs, micro))
             self._estimates[key] = result.total_bytes
             self._model_states[key] = result.details["model_state"]["total_bytes"]
+            host = result.details.get("host")
+            if isinstance(host, Mapping) and host.get("total_bytes") is not None:
+                self._hosts[key] = int(host["total_bytes"])
         return self._estimates[key]
+
+    def host(self, knobs: Levers, micro: int) -> int | None:
+        """Host memory these knobs keep at micro-batch ``micro`` (None: nothing lives there)."""
+        self.peak(knobs, micro)
+        return self._hosts.get((knobs, micro))
+
+    def fits(self, knobs: Levers, micro: int) -> bool:
+        """Whether the step fits both budgets: its GPU peak the usable memory, and what it keeps
+        in host memory (an offloading lever) the host budget."""
+        if self.peak(knobs, micro) > self.usable:
+            return False
+        host = self.host(knobs, micro)
+        return host is None or self.host_budget is None or host <= self.host_budget
 
     def model_state(self, knobs: Levers, micro: int) -> int:
         """Parameters, gradients and optimizer state on one rank (plus the scheme's buffers)."""
@@ -278,12 +298,12 @@ class Search:
         """The largest micro-batch (of the sorted ``micros``) whose peak fits, by bisection."""
         lo, hi, best = 0, len(micros) - 1, None
         # try the largest first: it often fits, and then one estimate settles it
-        if self.peak(knobs, micros[hi]) <= self.usable:
+        if self.fits(knobs, micros[hi]):
             return micros[hi]
         hi -= 1
         while lo <= hi:
             mid = (lo + hi) // 2
-            if self.peak(knobs, micros[mid]) <= self.usable:
+            if self.fits(knobs, micros[mid]):
                 best, lo = micros[mid], mid + 1
             else:
                 hi = mid - 1

@@ -47,13 +47,18 @@ def classification_loss(
 def causal_lm_loss(
     model: nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
     units: int,
     *,
     cross_entropy: str = "standard",
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token prediction: the summed cross-entropy of the target tokens, over ``units``.
+
+    Packed rows (padding-free packing): ``position_ids`` restarting at each row and no
+    ``attention_mask``; transformers then keeps the rows apart (``masking_utils``' packed
+    sequences; flash attention's variable-length path for a single flattened row).
 
     ``labels`` are per position as the input (not shifted), :data:`IGNORE_INDEX` where a token
     is no target (padding, a prompt: the completion-only mask); position t predicts token t+1.
@@ -62,10 +67,15 @@ def causal_lm_loss(
     :func:`fused_linear_loss`); the same loss and gradients either way.
     """
     if cross_entropy == "fused-linear":
-        return fused_linear_loss(model, input_ids, attention_mask, labels, units)
+        return fused_linear_loss(
+            model, input_ids, attention_mask, labels, units, position_ids=position_ids
+        )
     if cross_entropy != "standard":
         raise ValueError(f"unknown cross-entropy {cross_entropy!r}: standard or fused-linear")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, **no_cache(model)).logits
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, **positions, **no_cache(model)
+    ).logits
     return token_loss(logits, labels, units)
 
 
@@ -79,9 +89,11 @@ _HEAD_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "outp
 def fused_linear_loss(
     model: nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
     units: int,
+    *,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`causal_lm_loss` with ``--cross-entropy fused-linear``: the decoder body runs
     without its head, and :func:`memfit.step.linear_ce.linear_cross_entropy` takes the last
@@ -92,7 +104,8 @@ def fused_linear_loss(
     if isinstance(parts, str):
         raise ValueError(parts)
     body, head, text_config = parts
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, **no_cache(body))
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, **positions, **no_cache(body))
     hidden = hidden.last_hidden_state
     weight, bias = head.weight, head.bias
     if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):

@@ -29,10 +29,15 @@ from memfit.extras import problems as missing_packages
 from memfit.job import JOB_FIELDS, Job
 from memfit.knobs import finite_problem, flag_of, knob, whole_problem
 from memfit.levers.optimizer import OPTIMIZER_TABLE
+from memfit.levers.packing import (
+    DEFAULT_PACKING_STRATEGY,
+    PACKING_STRATEGIES,
+    packing_strategy,
+)
 from memfit.levers.sharding import DEEPSPEED_SCHEMES
 from memfit.runtime import launched_world_size
 from memfit.train.loggers import report_problems
-from memfit.train.runfolder import folder_problems
+from memfit.train.runfolder import folder_problems, run_config
 
 SCHEDULERS = ("linear", "cosine", "constant")
 PADDINGS = ("longest", "max_length")
@@ -73,6 +78,7 @@ SHOWN_DEFAULTS: dict[str, str] = {
     "lora_target_modules": "attention",
     "device": "cuda if present",
     "cache_dir": "the datasets cache",
+    "packing_strategy": "bfd",
 }
 
 
@@ -109,7 +115,14 @@ class TrainConfig(Job):
         "causal-lm: column of chat messages ([{role, content}, ...]) rendered with the "
         "tokenizer's chat template; loss on the assistant turns only."
     )
-    packing: bool = knob("causal-lm: pack texts into full blocks.", negatable=True, default=False)
+    packing: bool = knob(
+        "causal-lm: pack rows into sequences of up to --max-seq-len tokens (see "
+        "--packing-strategy).",
+        negatable=True,
+        default=False,
+    )
+    """Pack rows into sequences of up to ``max_seq_len`` tokens; how: ``packing_strategy``
+    (``bfd``, padding-free, when not given; ``wrapped``, blocks across documents)."""
     epochs: int = knob("Passes over the data.", minimum=1, default=1)
     max_steps: int | None = knob("Optimizer steps (instead of --epochs).", minimum=1)
     lr: float = knob("Peak learning rate.", finite=True, default=5e-5)
@@ -190,6 +203,25 @@ class TrainConfig(Job):
     """The step, eval and guard figures also to tensorboard and/or wandb (comma-separated; rank 0
     only); see memfit.train.loggers."""
 
+    def __post_init__(self) -> None:
+        # the packing strategy is said in run.json and each checkpoint, so that a resume goes on
+        # with it: bfd when --packing gives none, a resumed run's own (see resumed_strategy)
+        if self.packing and self.packing_strategy is None:
+            self.packing_strategy = resumed_strategy(self) or DEFAULT_PACKING_STRATEGY
+
+
+def resumed_strategy(cfg: TrainConfig) -> str | None:
+    """With --resume, the packing strategy of the run in the folder (None: no run there, or it
+    did not pack): its run.json's; a run.json of a memfit before --packing-strategy records
+    packing and no strategy, and packed wrapped blocks, the only packing there was."""
+    if not cfg.resume:
+        return None
+    saved = run_config(Path(cfg.output_dir))
+    if not isinstance(saved, dict) or not saved.get("packing"):
+        return None
+    strategy = saved.get("packing_strategy", "wrapped")
+    return strategy if strategy in PACKING_STRATEGIES else None
+
 
 # the run's own fields (those of TrainConfig that are not the job's)
 RUN_FIELDS = tuple(f for f in dataclasses.fields(TrainConfig) if f.name not in JOB_FIELDS)
@@ -245,14 +277,15 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.task == "sentence-embedding":
         # the recipe trains a SentenceTransformer with sentence-transformers' losses
         problems.extend(missing_packages([("sentence_transformers", "--task sentence-embedding")]))
-    # prompt/completion and chat rows: causal-lm only, the two columns together, no packing
+    # prompt/completion and chat rows: causal-lm only, the two columns together, no wrapped
+    # blocks (bfd packing keeps their loss masks)
     problems.extend(
         flag_problems(
             task=cfg.task,
             prompt_column=cfg.prompt_column,
             completion_column=cfg.completion_column,
             messages_column=cfg.messages_column,
-            packing=cfg.packing,
+            packing=packing_strategy(cfg),
             text_column=cfg.text_column,
         )
     )

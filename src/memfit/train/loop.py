@@ -37,7 +37,7 @@ from memfit.train.config import TrainResult
 from memfit.train.console import Progress, say
 from memfit.train.distributed import shard_rows
 from memfit.train.memory import PeakMemory, snapshot_writer
-from memfit.train.optim import rescale_lr
+from memfit.train.optim import offload_implementation, rescale_lr
 from memfit.train.resume import (
     changed_settings,
     misfit,
@@ -49,6 +49,7 @@ from memfit.train.resume import (
 )
 from memfit.train.runfolder import save_model_folder
 from memfit.train.setup import RunSetup, next_cure, take, versions
+from memfit.train.zero import optimizer_offload_of
 from memfit.units import format_bytes
 
 
@@ -217,6 +218,14 @@ class TrainingRun(RunSetup):
                 # --cross-entropy): read from the model and the recipe, not from the flags
                 "weights": self.held_weights(),
                 "cross_entropy": self.cross_entropy_ran(),
+                # which implementation moved the saved activations to host memory (None: off)
+                "activation_offloading": self.activation_offloading_ran(),
+                # what ran --optimizer-offload (None: not asked for)
+                "optimizer_offload": offload_implementation(
+                    optimizer_offload_of(self.cfg),
+                    zero=self.zero_stage is not None,
+                    device=self.device,
+                ),
             },
             "plan": self.planned,
             "versions": versions(),
@@ -405,15 +414,18 @@ class TrainingRun(RunSetup):
             rows = shard_rows(rows, recipe.lengths(rows) if rows else None, self.rank, self.world)
         while True:
             try:
-                loss: float = guard.step(
-                    rows,
-                    recipe,
-                    params=self.params,
-                    autocast=self.autocast,
-                    scale=(self.scaler.scale if self.scaler is not None else _identity),
-                    step=number,
-                    total_units=total_units,
-                )
+                # --activation-offloading: around every micro-batch's forward and backward, as
+                # TRL's SFTTrainer enters it around its training step
+                with self.offload or contextlib.nullcontext():
+                    loss: float = guard.step(
+                        rows,
+                        recipe,
+                        params=self.params,
+                        autocast=self.autocast,
+                        scale=(self.scaler.scale if self.scaler is not None else _identity),
+                        step=number,
+                        total_units=total_units,
+                    )
                 return loss
             except StepTooLarge as exc:
                 # every rank gets here together (the guard agreed on it) and decides alike

@@ -10,6 +10,7 @@ import torch
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
+from memfit.errors import UsageError
 from memfit.train.config import TrainConfig
 from memfit.train.quantization import import_quietly
 
@@ -23,8 +24,23 @@ BITSANDBYTES_OPTIMIZERS = {
 }
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: float) -> Any:
-    """``--optimizer`` over the trainable parameters; no weight decay on biases and norms."""
+def make_optimizer(
+    name: str,
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    *,
+    offload: str | None = None,
+    zero: bool = False,
+    device: torch.device | None = None,
+) -> Any:
+    """``--optimizer`` over the trainable parameters; no weight decay on biases and norms.
+
+    ``offload="cpu"`` (``--optimizer-offload``; :func:`offload_implementation` says which runs):
+    under DeepSpeed ZeRO (``zero``) DeepSpeedCPUAdam, which ZeRO-Offload steps on the host
+    partitions; on CUDA torchao's ``CPUOffloadOptimizer`` around torch's AdamW (or SGD); on the
+    CPU device torch's fused CPU AdamW, the update torchao runs on its host copies (torchao
+    itself needs CUDA or XPU; on the CPU the state is in host memory already)."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for pname, p in model.named_parameters():
@@ -35,6 +51,8 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: f
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if offload == "cpu":
+        return _offloaded(name, groups, lr, zero=zero, device=device)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr)
     if name == "adafactor":
@@ -48,6 +66,76 @@ def make_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: f
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
         return getattr(bnb.optim, BITSANDBYTES_OPTIMIZERS[name])(groups, lr=lr)
     return torch.optim.AdamW(groups, lr=lr)
+
+
+def offload_implementation(offload: str | None, *, zero: bool, device: torch.device) -> str | None:
+    """What runs ``--optimizer-offload cpu`` (run.json's ``resolved.optimizer_offload``); None:
+    no offload was asked for."""
+    if offload != "cpu":
+        return None
+    if zero:
+        return "DeepSpeed ZeRO-Offload (offload_optimizer to cpu, DeepSpeedCPUAdam)"
+    if device.type == "cuda":
+        return "torchao CPUOffloadOptimizer (offload_gradients=False)"
+    return (
+        "none: on the CPU device the state is in host memory already; torch.optim fused CPU "
+        "step, as torchao's CPUOffloadOptimizer runs on its host copies (torchao itself needs "
+        "CUDA or XPU)"
+    )
+
+
+def _offloaded(
+    name: str, groups: list[dict[str, Any]], lr: float, *, zero: bool, device: torch.device | None
+) -> Any:
+    """The optimizer of ``--optimizer-offload cpu`` (see :func:`make_optimizer`)."""
+    if zero:
+        # DeepSpeed's ZeRO-Offload refuses a client optimizer other than its own CPU Adam
+        # (engine.py, zero_force_ds_cpu_optimizer); adamw_mode: decoupled weight decay, AdamW.
+        # Its C++ op is built with ninja at the first use (minutes) and cached after
+        # optional: deepspeed (memfit[deepspeed], --sharding zero1|zero2|zero3)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, adamw_mode=True)
+    base: type[torch.optim.Optimizer] = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    if device is not None and device.type == "cuda":
+        try:
+            # optional: torchao (pip install torchao; --optimizer-offload cpu on CUDA)
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError:
+            raise UsageError(
+                "--optimizer-offload cpu: on CUDA memfit train runs torchao's "
+                "CPUOffloadOptimizer; torchao is not installed (pip install torchao)"
+            ) from None
+
+        return _resynced(CPUOffloadOptimizer)(groups, base, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    # the host-side update torchao's CPUOffloadOptimizer runs (its AdamW default is fused)
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def _resynced(cls: type) -> type:
+    """torchao's ``CPUOffloadOptimizer`` whose step first copies every gradient to the host
+    again. torchao copies a gradient out as backward makes it; memfit's loop changes them after
+    that (summed over ranks, fp16-unscaled, clipped by --max-grad-norm), so the host copies the
+    update reads are taken anew, after all of it, on torchao's own stream."""
+
+    class Resynced(cls):  # type: ignore[misc, valid-type]
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            current = torch.cuda.current_stream()
+            self.stream.wait_stream(current)
+            for p_device, p_host in self.param_d2h_map.items():
+                if p_device.grad is None:
+                    continue
+                with torch.cuda.stream(self.stream):
+                    p_host.grad.copy_(p_device.grad, non_blocking=True)
+                self.queue.pop(p_device, None)
+                self.queue[p_device] = self.stream.record_event()
+            return super().step(closure)
+
+    Resynced.__name__ = Resynced.__qualname__ = cls.__name__
+    return Resynced
 
 
 def make_scheduler(cfg: TrainConfig, optimizer: Any, total_steps: int) -> Any:

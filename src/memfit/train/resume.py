@@ -23,6 +23,7 @@ from typing import Any
 
 from memfit.errors import UsageError
 from memfit.guard import is_oom
+from memfit.levers.packing import DEFAULT_PACKING_STRATEGY, packing_strategy
 from memfit.train import checkpoint as ck
 from memfit.train import runfolder
 from memfit.train.config import TrainConfig
@@ -34,8 +35,19 @@ STEP_FLAGS = {
     "seed": "--seed",
     "group_by_length": "--group-by-length",
     "packing": "--packing",
+    "packing_strategy": "--packing-strategy",
     "max_seq_len": "--max-seq-len",
 }
+
+
+def _saved_strategy(saved: dict[str, Any]) -> str | None:
+    """The packing strategy of recorded settings (a checkpoint's, run.json's config): a record
+    without one that packs is of a memfit before --packing-strategy (``wrapped`` blocks)."""
+    if not saved.get("packing"):
+        return None
+    if "packing_strategy" not in saved:
+        return "wrapped"
+    return saved["packing_strategy"] or DEFAULT_PACKING_STRATEGY
 
 
 def finished_run(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -199,6 +211,8 @@ def step_settings(
     )
     return {
         **{key: getattr(cfg, key) for key in STEP_FLAGS},
+        "packing": bool(cfg.packing),
+        "packing_strategy": packing_strategy(cfg),
         "train_rows": rows,
         "train_lengths": digest,
     }
@@ -217,6 +231,8 @@ def changed_settings(saved: Any, now: dict[str, Any]) -> list[str]:
     checkpoint of a memfit version that recorded no settings)."""
     if not isinstance(saved, dict):
         return []
+    if "packing" in saved:
+        saved = {**saved, "packing_strategy": _saved_strategy(saved)}
     changed = [
         f"{flag} {saved[key]} then, {now[key]} now"
         for key, flag in STEP_FLAGS.items()

@@ -24,7 +24,7 @@ from memfit.job import round_seq_len
 from memfit.levers.quantization import LEVER as QUANTIZATION
 from memfit.plan import plan
 from memfit.runtime import JsonlLog, NoLog, autocast, launched_world_size, resolve_device
-from memfit.step import fused_linear_problem, linear_ce, weights
+from memfit.step import fused_linear_problem, linear_ce, offload, weights
 from memfit.train import checkpoint as ck
 from memfit.train import runfolder
 from memfit.train.config import TrainConfig, config_problems
@@ -39,7 +39,7 @@ from memfit.train.quantization import quantized, quantized_loading
 from memfit.train.recipes import RECIPES, recipe_for
 from memfit.train.recipes.loading import checkpoint_config, loaded_in
 from memfit.train.resume import step_settings
-from memfit.train.zero import build_config, stage_of, start_engine
+from memfit.train.zero import build_config, optimizer_offload_of, stage_of, start_engine
 
 
 def checked_inputs(cfg: TrainConfig) -> tuple[Any, Sequence[Row], Sequence[Row] | None]:
@@ -426,8 +426,16 @@ class RunSetup:
         if cfg.sharding == "fsdp":
             # FSDP2 per transformer block, then the root; the optimizer is built on the shards
             self.sharded = shard_model(model, self.ranks, precision=self.precision, device=device)
-        self.optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
         stage = stage_of(cfg)
+        self.optimizer = make_optimizer(
+            cfg.optimizer,
+            model,
+            cfg.lr,
+            cfg.weight_decay,
+            offload=optimizer_offload_of(cfg),
+            zero=stage is not None,
+            device=device,
+        )
         if stage is not None:
             self.start_zero(stage)
         paged = cfg.optimizer.startswith("paged-")
@@ -453,6 +461,11 @@ class RunSetup:
         )
         # DeepSpeed casts the module to 16 bits itself (and scales fp16 losses)
         self.autocast = autocast(device, "fp32" if zero else self.precision)
+        # --activation-offloading: the saved activations wait in host memory between each
+        # micro-batch's forward and backward; built once (TRL's hooks the model's output head)
+        self.offload = (
+            offload.offload_context(self.model, device.type) if cfg.activation_offloading else None
+        )
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def held_weights(self) -> dict[str, Any]:
@@ -477,6 +490,13 @@ class RunSetup:
             "trainable": names(True),
             "checkpoint": weights.dtype_name(self.checkpoint_dtype),
         }
+
+    def activation_offloading_ran(self) -> str | None:
+        """run.json's ``activation_offloading``: the implementation that offloaded the saved
+        activations (:func:`memfit.step.offload.implementation`), None when off."""
+        if getattr(self, "offload", None) is None:
+            return None
+        return offload.implementation(self.device.type)
 
     def cross_entropy_ran(self) -> dict[str, Any] | None:
         """run.json's ``cross_entropy``: the causal-LM token loss that ran and, fused-linear,

@@ -132,13 +132,7 @@ def config_problems(path: str | None, sharding: str, precision: str | None = Non
             f"--deepspeed: {path} says ZeRO stage {stage} but --sharding is {sharding}; make "
             "them agree (or leave --sharding out)"
         ]
-    problems = []
-    offloaded = [k for k in ("offload_optimizer", "offload_param") if zero.get(k)]
-    if offloaded:
-        problems.append(
-            f"--deepspeed: {path}: zero_optimization.{offloaded[0]} (CPU/NVMe offload) is not "
-            "supported by memfit train yet; remove it"
-        )
+    problems = _offload_problems(zero, path)
     if precision is not None:
         problems.extend(_precision_problems(config, path, precision))
     if not problems:
@@ -147,6 +141,48 @@ def config_problems(path: str | None, sharding: str, precision: str | None = Non
         if verdict is not None:
             problems.append(verdict)
     return problems
+
+
+def _offload_device(section: Any) -> str | None:
+    """The ``device`` of an ``offload_optimizer``/``offload_param`` section (None: no section,
+    or ``"none"``: nothing offloaded)."""
+    if not section:
+        return None
+    device = section.get("device", "none") if isinstance(section, dict) else section
+    return None if device in (None, "none") else str(device)
+
+
+def _offload_problems(zero: dict[str, Any], path: str) -> list[str]:
+    """The offload sections memfit train does not run: parameters offloaded (ZeRO-3's
+    ``offload_param``, which memfit's estimate does not price) and NVMe; the optimizer offloaded
+    to the CPU runs (ZeRO-Offload, as ``--optimizer-offload cpu``)."""
+    problems = []
+    if _offload_device(zero.get("offload_param")) is not None:
+        problems.append(
+            f"--deepspeed: {path}: zero_optimization.offload_param (ZeRO-3 parameter offload) is "
+            "not run by memfit train (its estimate does not price the parameters in host "
+            "memory); remove it (the optimizer's offload_optimizer to cpu runs)"
+        )
+    device = _offload_device(zero.get("offload_optimizer"))
+    if device is not None and device != "cpu":
+        problems.append(
+            f"--deepspeed: {path}: zero_optimization.offload_optimizer.device is "
+            f'{json.dumps(device)}; memfit train offloads the optimizer to "cpu" only'
+        )
+    return problems
+
+
+def optimizer_offload_of(cfg: Any) -> str | None:
+    """``--optimizer-offload``, or ``"cpu"`` where the ``--deepspeed`` file offloads the
+    optimizer to the CPU itself (its ZeRO-Offload needs DeepSpeed's CPU Adam either way)."""
+    if getattr(cfg, "optimizer_offload", None) == "cpu":
+        return "cpu"
+    path = getattr(cfg, "deepspeed", None)
+    if path:
+        zero = read_config(path).get("zero_optimization", {})
+        if isinstance(zero, dict) and _offload_device(zero.get("offload_optimizer")) == "cpu":
+            return "cpu"
+    return getattr(cfg, "optimizer_offload", None)
 
 
 def _precision_problems(config: dict[str, Any], path: str, precision: str) -> list[str]:
@@ -303,6 +339,12 @@ def build_config(
             raise UsageError(problem)
     else:
         config = {"zero_optimization": dict(assumed)}
+    if getattr(cfg, "optimizer_offload", None) == "cpu":
+        # ZeRO-Offload: master weights, gradients and optimizer state in pinned host memory,
+        # the update on the CPU (DeepSpeedCPUAdam: memfit.train.optim); a file's own section wins
+        config["zero_optimization"].setdefault(
+            "offload_optimizer", {"device": "cpu", "pin_memory": True}
+        )
     for key in _OWNED_KEYS:
         config.pop(key, None)
     config["train_micro_batch_size_per_gpu"] = int(micro)
@@ -456,6 +498,15 @@ class ZeroModel:
                 opt._clear_previous_reduced_grads()
             if opt.partition_gradients:
                 opt.reset_partition_gradient_structures()
+            if opt.cpu_offload:
+                # ZeRO-Offload: the host copies in flight end first; the failed attempt's marks
+                # are dropped (which parameters reached the host, their norms, an overflow). Its
+                # host gradient buffers are overwritten, not added to, by the re-run's first
+                # backward (it starts the step's accumulation: micro_step_id below)
+                opt._wait_for_offload_copies()
+                opt._offload_accumulated_param_ids = set()
+                opt.norm_for_param_grads = {}
+                opt.local_overflow = False
             # as after an update: the next backward starts the step's accumulation
             opt.micro_step_id = INITIAL_MICRO_STEP_ID
         else:
@@ -724,6 +775,17 @@ def start_engine(
     )
     comm = CommGuard(ranks)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if _offload_device(config["zero_optimization"].get("offload_optimizer")) == "cpu":
+        # ZeRO-Offload keeps each fp32 gradient partition (a pinned host buffer) as the .grad of
+        # the partitions DeepSpeed pointed the client optimizer's groups at, for the whole run:
+        # the loop's zero_grad of that optimizer would drop them. It clears the module's
+        # gradients instead, through DeepSpeed's own optimizer (as engine.zero_grad does)
+        zero_optimizer = engine.optimizer
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            zero_optimizer.zero_grad(set_to_none=set_to_none)
+
+        setattr(optimizer, "zero_grad", zero_grad)  # noqa: B010
     comm.armed = True
     return ZeroModel(engine, model, comm, int(config["zero_optimization"]["stage"]))
 

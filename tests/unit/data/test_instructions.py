@@ -305,11 +305,13 @@ def test_flag_problems() -> None:
     assert "both name column 'x'" in one
     (one,) = problems(prompt_column="p", completion_column="c", messages_column="m")
     assert one.startswith("--messages-column: not with --prompt-column")
-    (one,) = problems(messages_column="m", packing=True)
-    assert one.startswith("--packing: not with --messages-column")
+    # padding-free packing keeps each row's loss mask; wrapped blocks would cut it
+    assert problems(messages_column="m", packing="bfd") == []
+    (one,) = problems(messages_column="m", packing="wrapped")
+    assert one.startswith("--packing-strategy wrapped: not with --messages-column")
     (one,) = problems(prompt_column="p", completion_column="c", text_column="body")
     assert one.startswith("--text-column: not with --prompt-column/--completion-column")
-    assert len(problems(prompt_column="p", packing=True, text_column="t")) == 3
+    assert len(problems(prompt_column="p", packing="wrapped", text_column="t")) == 3
 
 
 # --- the bounds of a template's rendering (issue 30) -------------------------------------------

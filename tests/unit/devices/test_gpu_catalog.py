@@ -137,3 +137,19 @@ def test_a_kaggle_p100_oom_message_is_read_as_the_p100() -> None:
     assert report is not None
     card = gpu_of(report)
     assert card is not None and card.id == "p100" and not card.bf16
+
+
+def test_every_card_names_its_host_link_and_a_gpu_without_one_gets_the_default() -> None:
+    from memfit.devices.catalog import DEFAULT_HOST_LINK_GBPS, Gpu
+
+    for gpu_id, entry in _entries().items():
+        # written out in the data file, with the link it is (not left to the default)
+        assert float(entry["host_link_gbps"]) > 0, gpu_id  # type: ignore[arg-type]
+        assert str(entry["host_link"]).startswith(("PCIe", "NVLink")), gpu_id
+        assert catalog()[gpu_id].host_link_gbps == entry["host_link_gbps"]
+    # PCIe 3.0 x16 < 4.0 x16 < 5.0 x16; the RTX 4060 Ti sits on 4.0 x8
+    links = [find_gpu(n).host_link_gbps for n in ("t4", "a100-80gb", "h100-80gb")]
+    assert links == sorted(links) and links[0] < links[1] < links[2]
+    assert find_gpu("4060ti").host_link_gbps == find_gpu("t4").host_link_gbps
+    built = Gpu("x", "x", 2**30, True, {"fp32": 1.0}, 100.0, 1, (8, 0))
+    assert built.host_link_gbps == DEFAULT_HOST_LINK_GBPS == 12.6

@@ -39,6 +39,10 @@ def test_the_pins_are_the_levers_and_the_keywords_of_plan() -> None:
         "double_quant",
         "weights_dtype",
         "cross_entropy",
+        "activation_offloading",
+        "optimizer_offload",
+        "packing",
+        "packing_strategy",
     }
     # memfit doctor reads which of the job's fields plan_problems takes from its signature
     for function in (plan, plan_problems):
@@ -75,6 +79,10 @@ def test_the_plan_keeps_the_pins_as_the_commands_give_them() -> None:
         "double_quant": True,
         "weights_dtype": None,
         "cross_entropy": None,
+        "activation_offloading": None,
+        "optimizer_offload": None,
+        "packing": None,
+        "packing_strategy": None,
     }
     # the checkpoint's dtype and the standard loss are what no flag says; others are kept
     auto = Job(model="m", task="causal-lm", weights_dtype="auto", cross_entropy="standard")

@@ -87,6 +87,8 @@ def test_no_cure_memfit_train_refuses_under_zero3() -> None:
         "precision",
         "gradient_checkpointing",
         "cross-entropy",
+        "activation-offloading",
+        "optimizer-offload",
         "truncation",
     ]
     refused = [n for n in notes if "memfit train refuses" in n]

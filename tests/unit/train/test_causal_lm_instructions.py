@@ -330,9 +330,11 @@ def test_a_tokenizer_without_a_chat_template_refuses_the_run(
 # --- flags ---------------------------------------------------------------------------------------
 def test_recipe_and_config_refuse_flags_that_do_not_go_together(tmp_path: Path) -> None:
     with pytest.raises(
-        UsageError, match=r"^--packing: not with --prompt-column/--completion-column"
+        UsageError, match=r"^--packing-strategy wrapped: not with --prompt-column/--completion"
     ):
-        CausalLMRecipe("m", prompt_column="p", completion_column="c", packing=True)
+        CausalLMRecipe(
+            "m", prompt_column="p", completion_column="c", packing=True, packing_strategy="wrapped"
+        )
     with pytest.raises(UsageError, match="go together"):
         CausalLMRecipe("m", completion_column="c")
     train = write_jsonl(tmp_path / "t.jsonl", PAIRS)
@@ -354,11 +356,12 @@ def test_recipe_and_config_refuse_flags_that_do_not_go_together(tmp_path: Path) 
         prompt_column="prompt",
         text_column="body",
         packing=True,
+        packing_strategy="wrapped",
     )
     found = [p.split(":")[0] for p in config_problems(cfg)]
     assert {
         "--prompt-column and --completion-column go together",
-        "--packing",
+        "--packing-strategy wrapped",
         "--text-column",
     } <= {p.split(" (")[0] for p in found}
 

@@ -274,7 +274,7 @@ def test_causal_lm_units_exactness_eval_and_save(gpt2_dir: str, tmp_path: Path) 
 
 def test_causal_lm_packing(gpt2_dir: str, tmp_path: Path) -> None:
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": t} for t in TEXTS])
-    recipe = CausalLMRecipe(gpt2_dir, max_seq_len=10, packing=True)
+    recipe = CausalLMRecipe(gpt2_dir, max_seq_len=10, packing=True, packing_strategy="wrapped")
     blocks = recipe.read(train)
     tokenizer = recipe.tokenizer
     stream: list[int] = []

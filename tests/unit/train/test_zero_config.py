@@ -102,7 +102,7 @@ def test_a_file_that_is_not_json_names_the_line(tmp_path: Path) -> None:
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
             "none",
-            "offload_param (CPU/NVMe offload) is not supported",
+            "offload_param (ZeRO-3 parameter offload) is not run by memfit train",
         ),
     ],
 )

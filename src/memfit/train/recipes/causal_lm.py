@@ -5,11 +5,25 @@ tokens (tokens after truncation to ``max_seq_len``, minus the first, which nothi
 text too short to have one is an error at its line, before any model is loaded.
 
 Without packing, a row is a text; each chunk is padded on the right to its longest row and the
-padding positions are no targets (-100). With ``packing=True`` all texts are tokenized, each
-followed by the end-of-sequence token, concatenated and cut into blocks of ``max_seq_len`` tokens;
-the rows are then those blocks (``input_ids`` plus where they came from), the last one possibly
-shorter, and no text is truncated (a long text runs over several blocks). Blocks attend across
-document boundaries, as in Hugging Face's ``run_clm``.
+padding positions are no targets (-100).
+
+``packing`` (``--packing``) packs with ``packing_strategy`` (``--packing-strategy``, TRL's names):
+
+- ``bfd`` (the default): padding-free packing. The rows are read as without packing (tokenized,
+  truncated to ``max_seq_len``, bad rows refused or skipped), then packed whole, best fit
+  decreasing (:func:`memfit.data.packing.best_fit_decreasing`), into sequences of at most
+  ``max_seq_len`` tokens; those sequences are the steps' rows. Each packed row keeps its loss
+  mask and gets position ids restarting at 0, and no attention mask is passed, so transformers
+  keeps the rows apart (a block-diagonal causal mask on SDPA and eager attention; on flash
+  attention a micro-batch is fed as one flattened row, whose variable-length path takes the rows'
+  boundaries from the positions); the first token of each packed row is no target, as a row's
+  first token never is. The loss of a packed step is the loss of its rows unpacked, and the
+  guard's weight is still the step's target tokens.
+- ``wrapped``: all texts are tokenized, each followed by the end-of-sequence token, concatenated
+  and cut into blocks of ``max_seq_len`` tokens; the rows are then those blocks (``input_ids``
+  plus where they came from), the last one possibly shorter, and no text is truncated (a long
+  text runs over several blocks). Blocks attend across document boundaries, as in Hugging
+  Face's ``run_clm``: continued pre-training on plain text.
 
 Instruction rows (:mod:`memfit.data.instructions`, TRL's SFT conventions): with
 ``prompt_column``/``completion_column`` a row is prompt + completion + EOS and the loss covers the
@@ -17,7 +31,8 @@ completion tokens only; with ``messages_column`` a row is a chat rendered with t
 chat template and the loss covers the assistant turns only. Both are cut to ``max_seq_len`` from
 the right; a row with no token left to learn from is a bad row at its line (refused, or skipped
 with ``--skip-bad-rows``), and a tokenizer without a chat template refuses ``messages_column``
-for the whole run. Neither packs (refused with ``packing``).
+for the whole run. Both pack with ``bfd``; ``wrapped`` blocks are refused (they would cut rows
+and their loss masks).
 
 The loss is the summed token cross-entropy over the step's target-token count, so chunks of
 different lengths weigh by their tokens (the contract in ``base.py``): a target token is one
@@ -31,6 +46,7 @@ a training step nor an eval pass builds the full logits.
 from __future__ import annotations
 
 import bisect
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -53,6 +69,7 @@ from memfit.data.instructions import (
     tokenize_chat,
     tokenize_prompt_completion,
 )
+from memfit.data.packing import best_fit_decreasing, packed_positions
 from memfit.data.rows import (
     LENGTH,
     WHERE,
@@ -66,6 +83,7 @@ from memfit.data.rows import (
     tokenizer_key,
 )
 from memfit.errors import UsageError
+from memfit.levers.packing import DEFAULT_PACKING_STRATEGY, PACKING_STRATEGIES
 from memfit.metrics import perplexity
 from memfit.train.recipes.base import Recipe, Row
 from memfit.train.recipes.loading import load_pretrained
@@ -76,6 +94,8 @@ TOKENS = "__tokens__"
 TARGETS = "__targets__"
 # instruction rows: why a row cannot be trained on ("" when it can), found while tokenizing
 PROBLEM = "__problem__"
+# bfd packing: the lengths of the rows packed into a sequence, in order
+SEGMENTS = "__segments__"
 
 
 class CausalLMRecipe(Recipe):
@@ -90,6 +110,8 @@ class CausalLMRecipe(Recipe):
         return {
             "text_column": cfg.text_column,
             "packing": cfg.packing,
+            # bfd when not given; a resumed run's own (TrainConfig resolves it)
+            "packing_strategy": cfg.packing_strategy,
             "attn_implementation": cfg.attn_implementation,
             "max_seq_len": cfg.max_seq_len or cfg.seq_len or 512,
             "prompt_column": cfg.prompt_column,
@@ -106,6 +128,7 @@ class CausalLMRecipe(Recipe):
         text_column: str = "text",
         max_seq_len: int = 512,
         packing: bool = False,
+        packing_strategy: str | None = None,
         attn_implementation: str | None = None,
         prompt_column: str | None = None,
         completion_column: str | None = None,
@@ -114,12 +137,18 @@ class CausalLMRecipe(Recipe):
     ) -> None:
         if max_seq_len < 2:
             raise UsageError(f"--max-seq-len: must be ≥ 2 for causal LM, got {max_seq_len}")
+        strategy = (packing_strategy or DEFAULT_PACKING_STRATEGY) if packing else None
+        if strategy is not None and strategy not in PACKING_STRATEGIES:
+            raise UsageError(
+                f"--packing-strategy: unknown value {strategy!r}; one of "
+                f"{', '.join(PACKING_STRATEGIES)}"
+            )
         problems = flag_problems(
             task=self.task,
             prompt_column=prompt_column,
             completion_column=completion_column,
             messages_column=messages_column,
-            packing=packing,
+            packing=strategy,
             text_column=text_column,
         )
         if problems:
@@ -128,7 +157,8 @@ class CausalLMRecipe(Recipe):
         self.text_column = text_column
         self.instruction = InstructionColumns(prompt_column, completion_column, messages_column)
         self.max_seq_len = max_seq_len
-        self.packing = packing
+        # the packing strategy ("bfd", "wrapped"), None without packing
+        self.packing = strategy
         self.attn_implementation = attn_implementation
         # "standard" (the full logits) or "fused-linear" (chunks of them, from the hidden states)
         self.cross_entropy = cross_entropy
@@ -168,7 +198,7 @@ class CausalLMRecipe(Recipe):
     def _tokens(self, row: Row) -> tuple[list[int], list[int] | None]:
         """The row's tokens and targets (None: every token): its packed block, what ``read``
         kept, or the row tokenized and truncated now (rows made elsewhere)."""
-        if "input_ids" in row and self.packing:
+        if "input_ids" in row and self.packing == "wrapped":
             return list(row["input_ids"]), None
         if TOKENS in row:
             targets = row.get(TARGETS)
@@ -199,11 +229,12 @@ class CausalLMRecipe(Recipe):
         # the rows are tokenized (and truncated) here, before build: check the length first
         self.fit_folder_positions()
         if self.instruction.kind != "text":
-            return self._read_instructions(path, flag)
+            return self._packed(self._read_instructions(path, flag))
         table = read_rows(path, [Column(self.text_column)], flag=flag, options=self.data_options)
         tokenizer = self._load_tokenizer()
         column = self.text_column
-        limit = None if self.packing else self.max_seq_len
+        wrapped = self.packing == "wrapped"
+        limit = None if wrapped else self.max_seq_len
 
         def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
             ids = tokenizer(batch[column], truncation=limit is not None, max_length=limit)
@@ -212,13 +243,15 @@ class CausalLMRecipe(Recipe):
         # tokenized once, cached beside the data: units() and the loss of every step read these
         key = f"causal-lm|{tokenizer_key(tokenizer)}|{limit}|{column}"
         table = table.map_rows(tokenize, key, cache_dir=self.data_options.cache_dir)
-        if not self.packing:
+        if not wrapped:
             reason = (
                 f"column {self.text_column!r} is a single token: nothing to predict "
                 "(a causal LM row needs at least 2 tokens)"
             )
             lengths = [int(n) for n in table.dataset[LENGTH]]
-            return self._drop_bad_rows(table, [reason if n < 2 else "" for n in lengths])
+            return self._packed(
+                self._drop_bad_rows(table, [reason if n < 2 else "" for n in lengths])
+            )
         if tokenizer.eos_token_id is None:
             raise UsageError(f"--packing: the tokenizer of {self.model_name!r} has no eos token")
         stream: list[int] = []
@@ -241,6 +274,39 @@ class CausalLMRecipe(Recipe):
             where = first if first == last else f"{first} to {last.rsplit(' line ', 1)[-1]}"
             blocks.append({"input_ids": block, WHERE: where})
         return blocks
+
+    def _packed(self, table: RowTable) -> Sequence[Row]:
+        """With ``bfd`` packing, the rows of ``table`` (tokenized and truncated to
+        ``max_seq_len``, bad rows refused or skipped) packed whole into sequences of at most
+        ``max_seq_len`` tokens, best fit decreasing: each a row of the steps, its tokens and
+        targets the packed rows' in order (each packed row's first token no target: nothing of
+        its own predicts it) and :data:`SEGMENTS` their lengths. Without it, ``table``."""
+        if self.packing != "bfd":
+            return table
+        columns = [c for c in (TOKENS, TARGETS, WHERE) if c in table.dataset.column_names]
+        data = table.dataset.select_columns(columns).to_dict()
+        ids: list[list[int]] = data[TOKENS]
+        targets: list[list[int] | None] = data.get(TARGETS) or [None] * len(ids)
+        wheres: list[str] = data[WHERE]
+        packed: list[Row] = []
+        for members in best_fit_decreasing([len(x) for x in ids], self.max_seq_len):
+            tokens: list[int] = []
+            mask: list[int] = []
+            for i in members:
+                row_targets = targets[i]
+                tokens.extend(ids[i])
+                mask.append(0)
+                mask.extend(row_targets[1:] if row_targets is not None else [1] * (len(ids[i]) - 1))
+            packed.append(
+                {
+                    TOKENS: tokens,
+                    TARGETS: mask,
+                    SEGMENTS: [len(ids[i]) for i in members],
+                    LENGTH: len(tokens),
+                    WHERE: _wheres([wheres[i] for i in members]),
+                }
+            )
+        return packed
 
     def _read_instructions(self, path: Path, flag: str) -> RowTable:
         """Prompt/completion or chat rows, tokenized with their targets (cached beside the
@@ -308,14 +374,22 @@ class CausalLMRecipe(Recipe):
         self.model = load_pretrained(
             AutoModelForCausalLM.from_pretrained, self.model_name, **kwargs
         )
+        if self.packing == "bfd":
+            problem = packing_problem(self.model)
+            if problem is not None:
+                raise UsageError(problem)
 
     def units(self, rows: Sequence[Row]) -> int:
         # the step's target tokens: labels that are not -100 after the shift (the guard's weight)
         return sum(_target_count(*self._tokens(row)) for row in rows)
 
-    def _batch(self, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chunk's input ids, attention mask and labels (per position, not shifted) on the
-        device."""
+    def _batch(
+        self, rows: Sequence[Row]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The chunk's input ids, attention mask, labels (per position, not shifted) and position
+        ids (None: the model's own) on the device."""
+        if rows and SEGMENTS in rows[0]:
+            return self._packed_batch(rows)
         tokens = [self._tokens(row) for row in rows]
         # dynamic padding: the chunk's longest row, rounded up to the device's multiple
         width = self.padded_width(max(len(ids) for ids, _ in tokens))
@@ -332,23 +406,71 @@ class CausalLMRecipe(Recipe):
         input_ids, attention_mask, labels = (
             self.on_device(t) for t in (input_ids, attention_mask, labels)
         )
-        return input_ids, attention_mask, labels
+        return input_ids, attention_mask, labels, None
+
+    def _packed_batch(
+        self, rows: Sequence[Row]
+    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor]:
+        """A chunk of ``bfd``-packed sequences: input ids, no attention mask, labels and the
+        position ids that keep the packed rows apart (see :mod:`memfit.data.packing`)."""
+        tokens = [self._tokens(row) for row in rows]
+        labels_list = [labels_of(ids, mask) for ids, mask in tokens]
+        segments = [[int(n) for n in row[SEGMENTS]] for row in rows]
+        if "flash" in str(self.attn_implementation or ""):
+            # flash attention's variable-length path reads the rows' boundaries from the
+            # positions of a single row only: the chunk's sequences flattened, no padding at all
+            ids_flat = [t for ids, _ in tokens for t in ids]
+            labels_flat = [t for labels in labels_list for t in labels]
+            positions = [p for lengths in segments for p in packed_positions(lengths, 0)]
+            built = [
+                torch.tensor([x], dtype=torch.long) for x in (ids_flat, labels_flat, positions)
+            ]
+            input_ids, labels, position_ids = (self.on_device(t) for t in built)
+            return input_ids, None, labels, position_ids
+        width = self.padded_width(max(len(ids) for ids, _ in tokens))
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        # the padding after a sequence's rows counts from 0 again: a row of its own to the mask
+        position_ids = torch.tensor(
+            [packed_positions(lengths, width) for lengths in segments], dtype=torch.long
+        )
+        for i, ((ids, _), row_labels) in enumerate(zip(tokens, labels_list, strict=True)):
+            input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            labels[i, : len(ids)] = torch.tensor(row_labels, dtype=torch.long)
+        input_ids, labels, position_ids = (
+            self.on_device(t) for t in (input_ids, labels, position_ids)
+        )
+        # no attention mask: transformers then reads the packing from the position ids
+        return input_ids, None, labels, position_ids
 
     def loss(
         self, rows: Sequence[Row], total_units: int, *, mini_batch_size: int | None = None
     ) -> torch.Tensor:
         # summed over target tokens, divided by the step's: chunks add up to the step's mean;
         # the loss the estimator traces (memfit.step)
+        input_ids, attention_mask, labels, position_ids = self._batch(rows)
         return step.causal_lm_loss(
-            self.model, *self._batch(rows), units=total_units, cross_entropy=self.cross_entropy
+            self.model,
+            input_ids,
+            attention_mask,
+            labels,
+            units=total_units,
+            cross_entropy=self.cross_entropy,
+            position_ids=position_ids,
         )
 
     # -- eval ----------------------------------------------------------------------------------
     def eval_partial(self, rows: Sequence[Row]) -> tuple[float, int]:
-        input_ids, attention_mask, labels = self._batch(rows)
+        input_ids, attention_mask, labels, position_ids = self._batch(rows)
         # the same loss as training's (fused-linear: no full logits in an eval pass either)
         summed = step.causal_lm_loss(
-            self.model, input_ids, attention_mask, labels, units=1, cross_entropy=self.cross_entropy
+            self.model,
+            input_ids,
+            attention_mask,
+            labels,
+            units=1,
+            cross_entropy=self.cross_entropy,
+            position_ids=position_ids,
         )
         return float(summed), step.target_count(labels)
 
@@ -362,9 +484,46 @@ class CausalLMRecipe(Recipe):
         self.tokenizer.save_pretrained(folder)
 
 
+# transformers' mask builders (masking_utils), which find packed rows in the position ids when no
+# attention mask is given
+_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_masks_for")
+
+
+def packing_problem(model: Any) -> str | None:
+    """Why ``--packing-strategy bfd`` cannot keep ``model``'s packed rows apart (one line), or
+    None: a model whose modelling code builds no mask with transformers' masking utilities
+    (a state-space or recurrent model, whose state runs on from one row into the next, or a
+    model with a mask of its own) would let each packed row see the rows before it."""
+    module = inspect.getmodule(type(model))
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return None  # no source to read (a frozen build): transformers' own classes have it
+    if any(name in source for name in _MASK_BUILDERS):
+        return None
+    return (
+        f"--packing-strategy bfd: {type(model).__name__} does not build its attention mask with "
+        "transformers' masking utilities (it has a recurrent state or a mask of its own), so "
+        "packed rows would see each other; use --packing-strategy wrapped for plain text, or "
+        "leave --packing out"
+    )
+
+
 def _target_count(ids: list[int], targets: list[int] | None) -> int:
     """A row's target tokens: every token but the first, or its targets but the first's."""
     return len(ids) - 1 if targets is None else sum(targets[1:])
+
+
+def _wheres(wheres: list[str]) -> str:
+    """Where a packed sequence's rows come from: ``train.jsonl lines 3, 17, 20`` (the rows of
+    one file), else each row's place."""
+    if len(wheres) == 1:
+        return wheres[0]
+    parts = [w.rsplit(" line ", 1) for w in wheres]
+    files = {p[0] for p in parts}
+    if len(files) == 1 and all(len(p) == 2 for p in parts):
+        return f"{parts[0][0]} lines {', '.join(p[1] for p in parts)}"
+    return "; ".join(wheres)
 
 
 def where_at(wheres: list[str], starts: list[int], offset: int) -> str:

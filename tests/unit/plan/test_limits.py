@@ -1,0 +1,143 @@
+"""memfit limits: the longest sequence and the largest micro-batch that fit, solved from the shape
+fit and checked by real estimates (the answer fits, one step past it does not)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from memfit.cli import main
+from memfit.errors import UsageError
+from memfit.estimate import estimate
+from memfit.plan import limits as limits_module
+from memfit.plan.limits import SEQ_LEN_STEP, limits
+
+JOB = {"task": "causal-lm", "precision": "bf16"}
+
+
+def _peak(model: str, batch: int, length: int, **knobs: Any) -> int:
+    return estimate(model, batch_size=batch, seq_len=length, **{**JOB, **knobs}).total_bytes
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+def test_the_answers_fit_and_one_step_past_them_does_not(tiny_gpt2: str) -> None:
+    # a budget the micro-batch outgrows at a few rows of the model's 128 positions
+    budget = _peak(tiny_gpt2, 12, 64) + 1
+    got = limits(tiny_gpt2, batch_size=20, seq_len=64, gpu_memory=budget, safety_margin=0, **JOB)
+    longest, largest = got.max_seq_len, got.max_micro_batch
+    assert largest is not None and longest.value is not None and largest.value is not None
+    # the answers are checked estimates: each fits, the next step does not (by memory)
+    assert longest.value % SEQ_LEN_STEP == 0 and longest.bound == "memory"
+    assert longest.peak_bytes == _peak(tiny_gpt2, 20, longest.value) <= budget
+    assert longest.next_value == longest.value + SEQ_LEN_STEP
+    assert longest.next_peak_bytes == _peak(tiny_gpt2, 20, longest.next_value) > budget
+    assert largest.value >= 12 and largest.bound == "memory"
+    assert largest.peak_bytes == _peak(tiny_gpt2, largest.value, 64) <= budget
+    assert _peak(tiny_gpt2, largest.value + 1, 64) > budget
+    # a fit and its checks, not a walk over the range
+    assert largest.estimates <= 12 and longest.estimates <= 12
+
+
+def test_the_positions_bound_the_length_and_json_keys_are_stable(
+    capsys: pytest.CaptureFixture[str], tiny_gpt2: str
+) -> None:
+    code, out, _ = _run(
+        capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--gpu-memory", "4GiB",
+        "--seq-len", "128", "--json",
+    )  # fmt: skip
+    assert code == 0
+    got = json.loads(out)
+    assert got["max_seq_len"]["value"] == 128 == got["max_positions"]
+    assert got["max_seq_len"]["bound"] == "positions"
+    assert got["max_seq_len"]["next_value"] is None
+    assert set(got["max_micro_batch"]) >= {"value", "peak_bytes", "bound", "next_peak_bytes"}
+    assert got["levers"] is None and got["fits"] is True
+
+
+def test_nothing_fits_exits_3_and_says_so(
+    capsys: pytest.CaptureFixture[str], tiny_gpt2: str
+) -> None:
+    code, out, _ = _run(
+        capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--gpu-memory", "64MiB",
+        "--seq-len", "64",
+    )  # fmt: skip
+    assert code == 3
+    from memfit.commands.limits import SHORTEST
+
+    assert SHORTEST == SEQ_LEN_STEP
+    assert f"nothing fits; micro-batch 1 at {SHORTEST} tokens needs " in out
+    assert "nothing fits; micro-batch 1 at 64 tokens needs " in out
+
+
+@pytest.mark.slow
+def test_levers_go_further_and_say_which(
+    capsys: pytest.CaptureFixture[str], tiny_gpt2: str
+) -> None:
+    budget = _peak(tiny_gpt2, 12, 64) + 1
+    code, out, _ = _run(
+        capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--precision", "bf16",
+        "--gpu-memory", str(budget), "--safety-margin", "0", "--seq-len", "64", "--levers",
+    )  # fmt: skip
+    assert code == 0
+    batch = [line for line in out.splitlines() if "largest micro-batch" in line]
+    assert len(batch) == 2 and batch[1].startswith("With the exact levers")
+    # the fused loss never builds the logits, which dominate this model: more rows fit
+    assert "--cross-entropy fused-linear" in batch[1]
+    got = limits(tiny_gpt2, seq_len=64, gpu_memory=budget, safety_margin=0, levers=True, **JOB)
+    assert got.levers is not None and got.max_micro_batch is not None
+    given, levered = got.max_micro_batch, got.levers["max_micro_batch"]
+    assert levered.value is not None and given.value is not None and levered.value > given.value
+    # the answer with its levers is a checked estimate too
+    settings = levered.settings
+    assert _peak(tiny_gpt2, levered.value, 64, **settings) == levered.peak_bytes <= budget
+    assert _peak(tiny_gpt2, levered.value + 1, 64, **settings) > budget
+
+
+def test_the_host_budget_bounds_what_offloading_moves_there(
+    monkeypatch: pytest.MonkeyPatch, tiny_gpt2: str
+) -> None:
+    # a stand-in for an offloading estimate: 1 MiB of host memory per token of the micro-batch
+    def offloading(model: str, **kwargs: Any) -> Any:
+        result = estimate(model, **kwargs)
+        host = kwargs["batch_size"] * kwargs["seq_len"] << 20
+        return dataclasses.replace(
+            result, details={**result.details, "host": {"total_bytes": host, "parts": {}}}
+        )
+
+    monkeypatch.setattr(limits_module, "estimate", offloading)
+    got = limits(tiny_gpt2, batch_size=1, seq_len=64, gpu_memory="4GiB", host_memory="40MiB", **JOB)
+    longest, largest = got.max_seq_len, got.max_micro_batch
+    assert largest is not None
+    assert (longest.value, longest.bound, longest.host_bytes) == (40, "host-memory", 40 << 20)
+    # not even one row of 64 tokens: 64 MiB of host memory
+    assert (largest.value, largest.bound) == (None, "host-memory")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_seq_len": 32}, "--max-seq-len"),
+        ({"allow": ["truncation"]}, "--allow: truncation"),
+        ({"gpu_memory": None}, "--gpu-memory SIZE"),
+        ({"host_memory": "lots"}, "--host-memory"),
+        ({"seq_len": 4096}, "--seq-len"),
+        ({"precision": "bf17", "host_memory": "lots"}, "--precision: .*; .*--host-memory"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tiny_gpt2: str, kwargs: dict, message: str) -> None:
+    given = {"task": "causal-lm", "gpu_memory": "4GiB", **kwargs}
+    with pytest.raises(UsageError, match=message):
+        limits(tiny_gpt2, **given)
