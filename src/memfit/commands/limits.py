@@ -160,22 +160,26 @@ def _line(result: Any, name: str, answer: Any, prefix: str) -> str:
             if longest
             else f"micro-batch 1 at {result.seq_len:,} tokens"
         )
-        over = (
-            f"{format_bytes(answer.peak_bytes)} of {format_bytes(result.usable_bytes)}"
-            if answer.peak_bytes is not None
-            else "more than the budgets"
-        )
-        where = " (host memory)" if answer.bound == "host-memory" else ""
-        return f"{prefix}, {question}: nothing fits; {smallest} needs {over}{where}."
+        if answer.bound == "host-memory" and answer.host_bytes is not None:
+            # the host budget bounds it: what the node's ranks keep there, not the GPU peak
+            over = (
+                f"{_host(result, answer, answer.host_bytes)} of the "
+                f"{format_bytes(result.host_budget_bytes)} host memory"
+            )
+        elif answer.peak_bytes is not None:
+            over = f"{format_bytes(answer.peak_bytes)} of {format_bytes(result.usable_bytes)}"
+        else:
+            over = "more than the budgets"
+        return f"{prefix}, {question}: nothing fits; {smallest} needs {over}."
     said = f"{prefix}, {question}: {answer.value:,}{unit} ({format_bytes(answer.peak_bytes)}"
     if answer.host_bytes is not None:
-        said += f", {format_bytes(answer.host_bytes)} in host memory"
+        said += f", {_host(result, answer, answer.host_bytes)} in host memory"
     said += ")"
     if answer.next_value is not None and answer.next_peak_bytes is not None:
         said += (
             f"; {answer.next_value:,}{unit} would need {format_bytes(answer.next_peak_bytes)}"
             + (
-                f" and {format_bytes(answer.next_host_bytes)} of host memory"
+                f" and {_host(result, answer, answer.next_host_bytes)} of host memory"
                 if answer.bound == "host-memory" and answer.next_host_bytes is not None
                 else ""
             )
@@ -187,3 +191,14 @@ def _line(result: Any, name: str, answer: Any, prefix: str) -> str:
     if answer.settings:
         said += " Levers: " + " ".join(lever_flags(answer.settings)) + "."
     return said
+
+
+def _host(result: Any, answer: Any, per_rank: int) -> str:
+    """Host bytes as limits prints them: one rank's, said so on several ranks, with the node's
+    total when ranks share it (the figure the host budget bounds)."""
+    ranks = getattr(answer, "host_ranks", 1) or 1
+    if ranks > 1:
+        return f"{format_bytes(per_rank)} per rank ({format_bytes(per_rank * ranks)} for {ranks} ranks)"
+    if result.world_size > 1:
+        return f"{format_bytes(per_rank)} per rank"
+    return format_bytes(per_rank)

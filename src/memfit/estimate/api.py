@@ -43,6 +43,7 @@ from memfit.job import (
     resolve_loss,
     whole,
 )
+from memfit.levers.activation_offloading import mode_problem as offloading_mode_problem
 from memfit.models import resolve_model
 from memfit.step import linear_ce, offload, weights
 from memfit.units import parse_size
@@ -56,6 +57,10 @@ class Estimate:
 
     ``breakdown`` sums to ``total_bytes``. On CUDA ``total_bytes`` is what ``max_memory_reserved``
     plus the CUDA context would show; on the CPU, the process's peak memory for tensors.
+
+    ``fits``: the step fits every budget it has: ``total_bytes`` within ``budget_bytes`` (the
+    GPU's), and, where it offloads to host memory, ``details["host"]["fits"]`` (the host's); False
+    when either does not, None when there is no GPU budget and no host one that fails.
     """
 
     total_bytes: int
@@ -135,6 +140,9 @@ def validate(job: Job, *, mode: str = "train") -> tuple[StepSpec, list[str]]:
         required=("micro_batch_size", "seq_len", "num_labels", *_REQUIRED),
     )
     if problem := choice_problem("--mode", mode, MODES):
+        problems.append(problem)
+    offloads = {"activation_offloading": job.activation_offloading}
+    if problem := offloading_mode_problem(offloads, mode):
         problems.append(problem)
     return step_spec(job, mode), problems
 
@@ -217,8 +225,12 @@ def estimate(
     Offloading (``activation_offloading``, ``optimizer_offload="cpu"``) on a GPU moves bytes to
     host memory: ``breakdown`` and ``total_bytes`` are the GPU's without them, and
     ``details["host"]`` holds the host's (``total_bytes``, ``parts``, ``budget_bytes``: the
-    ``host_memory`` keyword, else this machine's total memory; ``fits``). On the CPU device host
-    and device are one memory: the copies are in the total, and there is no ``details["host"]``.
+    ``host_memory`` keyword, else this machine's total memory; ``fits``, which the estimate's
+    ``fits`` includes; ``activation_offloading``: the implementation whose rules the activations'
+    part follows, ``"trl"`` on CUDA: ``memfit train`` runs TRL's context there and refuses to run
+    without it, so the estimate emulates TRL's rules whatever is installed here). On the CPU
+    device host and device are one memory: the copies are in the total, and there is no
+    ``details["host"]``.
     """
     job = step_job(model, batch_size=batch_size, task=task, seq_len=seq_len, **knobs)
     checked = _checked(
@@ -269,17 +281,22 @@ def estimate(
     if traced.changed():
         traces.save_traces()
     details |= _sharding_details(traced, job.sharding, world)
-    if host := _host_details(traced, peak, job.sharding, world, checked.host_budget):
+    host = _host_details(traced, peak, job.sharding, world, checked.host_budget)
+    if host is not None:
         details["host"] = host
     if card is not None:
         details["gpu"] = _gpu_details(card, checked.budget_from_gpu)
     total, budget = peak.total_bytes, checked.budget
+    fits = None if budget is None else total <= budget
+    if host is not None and not host["fits"]:
+        # the host memory the offloaded bytes need is a budget too
+        fits = False
     return Estimate(
         total_bytes=total,
         breakdown=peak.breakdown,
         peak_phase=peak.phase,
         budget_bytes=budget,
-        fits=None if budget is None else total <= budget,
+        fits=fits,
         model=model_spec.name,
         spec=spec,
         batch_size=batch_size,
@@ -422,12 +439,19 @@ def _host_details(
     total = sum(parts.values())
     if budget is None:
         budget = machine_memory_bytes()
+    # total_bytes and parts are one rank's: every rank holds its own (DDP a whole copy, ZeRO its
+    # partitions); the job names no nodes, so its --world-size ranks share one node's memory,
+    # and the budget bounds them together
+    ranks_per_node = max(1, world_size)
     return {
         "total_bytes": total,
         "parts": parts,
+        "per": "rank",
+        "ranks_per_node": ranks_per_node,
         "budget_bytes": budget,
-        "fits": total <= budget,
-        # which implementation's rules the activations' part follows (None: none offloaded)
+        "fits": total * ranks_per_node <= budget,
+        # which implementation's rules the activations' part follows (None: none offloaded):
+        # "trl" on CUDA, what memfit train runs there (it refuses to run without TRL)
         "activation_offloading": offload.implementation(spec.device)
         if spec.activation_offloading
         else None,

@@ -64,8 +64,11 @@ _FUSED_STEP_BYTES = 4
 
 
 def pinned_bytes(size: int, *, pinned: bool = True) -> int:
-    """What an allocation of ``size`` bytes takes from PyTorch's caching host allocator: the next
-    power of two (unpinned: ``size``)."""
+    """What an allocation of ``size`` bytes takes from PyTorch's caching host allocator: the block
+    it gives a pinned tensor, rounded up to a power of two (``CachingHostAllocator.h``:
+    ``PowerOf2Ceil``, below ``pinned_max_round_threshold``, unbounded by default), kept cached
+    when freed (unpinned: ``size``). The replay's activation copies use it too
+    (``memfit.estimate.replay.pinned_block_bytes``)."""
     if not pinned or size <= 0:
         return max(0, size)
     return 1 << (size - 1).bit_length()

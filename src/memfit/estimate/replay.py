@@ -20,6 +20,7 @@ from typing import Protocol
 
 from memfit.devices.profiles import CudaProfile
 from memfit.estimate import device as dev
+from memfit.estimate.optimizer_offload import pinned_bytes as pinned_block_bytes
 from memfit.estimate.sharding import Buffers, ShardLayout
 from memfit.estimate.step_trace import (
     ALLOC,
@@ -109,13 +110,6 @@ def first_forward_backward(
     if first is fb or (first.events == fb.events and first.categories == fb.categories):
         return fb, fb_sizes
     return first, list(first.sizes)
-
-
-def pinned_block_bytes(size: int) -> int:
-    """The block CUDA's caching host allocator gives a pinned tensor of ``size`` bytes: rounded
-    up to a power of two (``CachingHostAllocator.h``: ``PowerOf2Ceil``, below
-    ``pinned_max_round_threshold``, unbounded by default), kept cached when freed."""
-    return 1 << (size - 1).bit_length() if size > 1 else size
 
 
 def _host_allocs(seg: Segment) -> frozenset[int]:

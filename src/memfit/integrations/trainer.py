@@ -95,7 +95,32 @@ def _causal_lm(model: Any) -> bool:
     return type(base).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-class GuardedTrainer(TrainerGuardMixin, Trainer):
+class _OffloadPerCall:
+    """The activation offloading context around each stock ``training_step`` call (one
+    micro-batch's forward and backward) when the arguments say ``activation_offloading`` (TRL's
+    ``SFTConfig``): the context TRL's SFTTrainer enters around its training step
+    (:func:`memfit.step.offload.offload_context`), so that arguments a plan set it in run what
+    the plan priced. Below the guard in the method order: each chunk and each re-run after an OOM
+    enters it anew (TRL's ``__enter__`` drops what a failed attempt left)."""
+
+    args: Any
+    model: Any
+    _memfit_offload: Any
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        step = super().training_step  # type: ignore[misc]
+        if not getattr(self.args, "activation_offloading", False):
+            return step(*args, **kwargs)
+        if self._memfit_offload is None:
+            # built once: TRL's hooks the model's output head
+            model = self.model
+            assert model is not None  # a Trainer trains a model
+            self._memfit_offload = offload.offload_context(model, self.args.device.type)
+        with self._memfit_offload:
+            return step(*args, **kwargs)
+
+
+class GuardedTrainer(TrainerGuardMixin, _OffloadPerCall, Trainer):
     """``transformers.Trainer`` whose ``training_step`` survives OOM with the same gradient.
 
     On an out-of-memory error inside a micro-batch's forward or backward, the guard drops the
@@ -130,24 +155,16 @@ class GuardedTrainer(TrainerGuardMixin, Trainer):
         **kwargs: Any,
     ) -> None:
         self._guard_init(memory_cap=memory_cap, grow_after=grow_after)
-        self._memfit_offload: Any = None  # TRL's activation offloading context, once built
+        self._memfit_offload = None  # TRL's activation offloading context, once built
         self.memfit_plan: PlannedArguments | None = None
         if memfit_plan:
             args, kwargs, self.memfit_plan = plan_trainer_arguments(args, kwargs, memfit_plan)
+        arguments: Any = args[1] if len(args) > 1 else kwargs.get("args")
+        if getattr(arguments, "activation_offloading", False):
+            # on CUDA TRL's context or nothing (what the plan and the estimate price): refused
+            # before the Trainer places the model
+            problem = offload.missing(arguments.device.type)
+            if problem is not None:
+                raise UsageError(problem)
         super().__init__(*args, **kwargs)
         self._guard_check_arguments()
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The guarded training step, inside the activation offloading context when the
-        arguments say ``activation_offloading`` (TRL's ``SFTConfig``): the context TRL's
-        SFTTrainer enters around its training step (:func:`memfit.step.offload.offload_context`),
-        so that arguments a plan set it in run what the plan priced."""
-        if not getattr(self.args, "activation_offloading", False):
-            return super().training_step(*args, **kwargs)
-        if self._memfit_offload is None:
-            # built once: TRL's hooks the model's output head
-            model = self.model
-            assert model is not None  # a Trainer trains a model
-            self._memfit_offload = offload.offload_context(model, self.args.device.type)
-        with self._memfit_offload:
-            return super().training_step(*args, **kwargs)

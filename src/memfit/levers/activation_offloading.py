@@ -1,12 +1,14 @@
 """Activation offloading: the tensors the forward pass saves for the backward pass go to host
 memory as they are saved and come back as the backward pass needs them.
 
-On CUDA the copies run on a side stream into pinned host memory (TRL's
-``get_act_offloading_ctx_manager``, torchtune's ``OffloadActivations``; without TRL, PyTorch's
-``torch.autograd.graph.save_on_cpu``). Exact (the same values come back), so it is a lever
-without a quality cost (tier 0); it costs host memory and the host link's time where the copies
-do not hide behind the step's compute. With checkpointing on, what is offloaded is what the
-checkpointed step saves: each layer's input.
+On CUDA the copies run on a side stream into pinned host memory: TRL's
+``get_act_offloading_ctx_manager`` (torchtune's ``OffloadActivations``), the only implementation
+``memfit train`` runs there (it refuses without TRL installed: ``pip install 'memfit[trl]'``), so
+an estimate for a CUDA device emulates TRL's rules. Exact (the same values come back), so it is
+a lever without a quality cost (tier 0); it costs host memory and the host link's time where the
+copies do not hide behind the step's compute. With checkpointing on, what is offloaded is what
+the checkpointed step saves: each layer's input. Not in an evaluation (nothing is saved for a
+backward pass): ``--mode eval`` with it is refused, as ``--optimizer-offload cpu`` is.
 
 What stays on the GPU (the estimate traces it: :mod:`memfit.step.offload`): saves under 1 KiB,
 parameters, the output head's input, the last few saves while their copies are in flight, and
@@ -18,10 +20,16 @@ link twice, to the host during the forward and back during the backward. The cop
 side stream, so the model assumes each direction overlaps the compute of its own pass entirely
 and charges only what exceeds it: ``max(0, saved / link − forward) + max(0, saved / link −
 backward)``, the passes' times from their matmul FLOPs at the share of peak large matmuls reach
-(no attention FLOPs: the model errs toward charging more). Saved bytes per micro-batch: each
-layer's input (tokens × hidden × activation bytes) with checkpointing; without it, about 34 ×
-hidden bytes per token and layer in 16 bits (Korthikanti et al. 2022, flash attention's
-``5·a·s/h`` term gone), twice that in fp32.
+(no attention FLOPs: the model errs toward charging more). Saved bytes per micro-batch
+(:func:`saved_bytes`): each layer's input (tokens × hidden × activation bytes) with
+checkpointing; without it, about 34 × hidden bytes per token and layer in 16 bits (Korthikanti et
+al. 2022, flash attention's ``5·a·s/h`` term gone), twice that in fp32. With the fused-linear
+loss, also the gradients it computes in the forward and saves for the backward: the hidden
+states' (tokens × hidden) and, where the head trains, the head weight's (vocab × hidden, in the
+head's dtype). Liger's loss takes the head's weight inside the model's forward, not through the
+head module, so TRL's output-head exception does not cover them: they go to the host and come
+back every micro-batch. The host link's speed is the GPU's (``gpu.host_link_gbps``, the catalog
+fills it); a GPU object without one is charged nothing.
 """
 
 from __future__ import annotations
@@ -35,9 +43,6 @@ from memfit.levers.base import Chosen, Lever, Room
 from memfit.levers.cure import Fix, Patient
 from memfit.units import format_bytes
 
-# the host link one GPU copies over when the catalog entry says nothing (GB/s, one direction):
-# PCIe 4.0 x16's pinned copies, conservatively
-FALLBACK_HOST_LINK_GBPS = 25.0
 # the share of peak FLOP/s large matmuls reach (memfit.plan.cost.E_MAX: the levers do not import
 # the plan)
 _E_MAX = 0.6
@@ -63,12 +68,35 @@ def offloading(values: Mapping[str, Any]) -> bool:
 
 def saved_bytes(values: Mapping[str, Any], shape: Any, tokens: int) -> int:
     """The bytes a micro-batch of ``tokens`` tokens offloads, by the cost model's rule (the
-    module docstring): each layer's input with checkpointing, else ~34 × hidden per token."""
+    module docstring): each layer's input with checkpointing, else ~34 × hidden per token; with
+    the fused-linear loss also the gradients it saves (the hidden states', and the head
+    weight's where the head trains)."""
     width = 4 if (values.get("precision") or "fp32") == "fp32" else 2
     per_token = shape.hidden * width
     if not values.get("gradient_checkpointing"):
         per_token *= _SAVED_PER_HIDDEN // 2  # 34 bytes in 16 bits is 17 elements
-    return int(shape.layers * tokens * per_token)
+    saved = shape.layers * tokens * per_token
+    if values.get("cross_entropy") == "fused-linear" and getattr(shape, "vocab", 0):
+        # the hidden states' gradient, in the activations' dtype
+        saved += tokens * shape.hidden * width
+        if not values.get("lora_rank"):
+            # the head weight's gradient, zeros_like(weight): the trained weights' dtype (fp32
+            # master weights unless pure 16-bit training); a LoRA head is frozen: none
+            held = 2 if values.get("weights_dtype") in ("bf16", "fp16") else 4
+            saved += shape.vocab * shape.hidden * held
+    return int(saved)
+
+
+def mode_problem(values: Mapping[str, Any], mode: str) -> str | None:
+    """Why the lever's values do not combine with ``mode`` (``memfit estimate --mode``): an
+    evaluation saves nothing for a backward pass, so offloading is refused there (one line
+    naming the flags), as ``--optimizer-offload cpu`` is (an evaluation has no optimizer)."""
+    if offloading(values) and mode == "eval":
+        return (
+            "--activation-offloading: an evaluation (--mode eval) saves no tensors for a "
+            "backward pass: nothing to offload; leave the flag out"
+        )
+    return None
 
 
 class ActivationOffloading(Lever):
@@ -117,7 +145,10 @@ class ActivationOffloading(Lever):
         hide behind (see the module docstring; 0 when off)."""
         if not offloading(values) or tokens <= 0:
             return 0.0
-        link = float(getattr(gpu, "host_link_gbps", 0.0) or FALLBACK_HOST_LINK_GBPS) * 1e9
+        # the GPU's host link (the catalog fills it for every card); none known: nothing charged
+        link = float(getattr(gpu, "host_link_gbps", 0.0) or 0.0) * 1e9
+        if link <= 0:
+            return 0.0
         copy = saved_bytes(values, shape, tokens) / link
         rate = gpu.flops_per_second(str(values.get("precision") or "fp32")) * _E_MAX
         forward = 2.0 * shape.matmul_parameters * tokens / rate if rate > 0 else 0.0
@@ -152,8 +183,7 @@ class ActivationOffloading(Lever):
             "Same values back: no quality cost; time: the copies cross the host link on a side "
             "stream, and the throughput above counts what the compute does not hide.",
             "Run it with TRL: SFTConfig(activation_offloading=True); memfit train "
-            "--activation-offloading uses TRL's context manager where TRL is installed "
-            "(torch's save_on_cpu otherwise).",
+            "--activation-offloading runs TRL's context manager (pip install 'memfit[trl]').",
         ]
 
     def describe(self, values: Mapping[str, Any]) -> str | None:
@@ -186,8 +216,8 @@ class ActivationOffloading(Lever):
             return []
         parts = host.get("parts") or {}
         which = {
-            "trl": "TRL's context manager (pinned copies on a side stream)",
-            "save_on_cpu-pinned": "torch's save_on_cpu (pinned; TRL not installed)",
+            "trl": "TRL's context manager's rules (pinned copies on a side stream; what memfit "
+            "train runs on CUDA)",
         }.get(str(host["activation_offloading"]), str(host["activation_offloading"]))
         return [
             f"activation offloading: {format_bytes(int(parts.get('activations', 0)))} of saved "

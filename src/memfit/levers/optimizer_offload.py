@@ -44,8 +44,6 @@ ZERO_OFFLOAD_OPTIMIZERS = ("adamw",)
 # dual-channel DDR5 (about 60 GB/s peak) as a multi-threaded update reaches it. A stated
 # assumption for ranking plans, not a measurement: a server's sockets stream several times more
 HOST_MEMORY_BYTES_PER_SECOND = 25e9
-# the host link when the GPU entry has none (memfit.devices.catalog: PCIe 3.0 x16, practical)
-FALLBACK_HOST_LINK_GBPS = 25.0
 # values of the host copy AdamW reads (weight, gradient, two moments) and writes (weight, two
 # moments) per parameter; SGD without momentum reads weight and gradient and writes the weight
 _STEP_VALUES = {"adamw": 7, "sgd": 3}
@@ -175,8 +173,10 @@ class OptimizerOffload(Lever):
             updated = trainable
             host_width = link_width = 2 if pure16 else 4
         cpu = updated * _STEP_VALUES.get(optimizer, 7) * host_width / HOST_MEMORY_BYTES_PER_SECOND
-        link_gbps = float(getattr(gpu, "host_link_gbps", 0.0) or FALLBACK_HOST_LINK_GBPS)
-        link = 2 * updated * link_width / (link_gbps * 1e9)
+        if gpu is None:
+            return cpu  # no card: no host link to charge
+        # every catalog Gpu has its link (memfit.devices.catalog: Gpu.host_link_gbps)
+        link = 2 * updated * link_width / (float(gpu.host_link_gbps) * 1e9)
         return cpu + link
 
     def time_words(self, values: Mapping[str, Any]) -> str | None:

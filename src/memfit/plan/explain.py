@@ -84,8 +84,15 @@ def _host_lines(job: Search, result: Plan) -> list[str]:
     host = result.predicted_host_bytes
     if host is None or job.host_budget is None:
         return []
+    c = result.chosen
+    ranks = 1 if c is None else job.host_ranks(c.knobs, c.mini_batch_size or c.micro_batch_size)
+    held = _gib(host)
+    if job.world_size > 1:
+        held += " per rank" + (
+            f" ({_gib(host * ranks)} for the node's {ranks} ranks)" if ranks > 1 else ""
+        )
     return [
-        f"Host memory: {_gib(host)} of the {_gib(job.host_budget)} host budget (--host-memory; "
+        f"Host memory: {held} of the {_gib(job.host_budget)} host budget (--host-memory; "
         "default this machine's memory) for what is offloaded there, pinned; the host's own "
         "needs (the data loader, the Python process) come on top."
     ]

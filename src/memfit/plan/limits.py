@@ -19,14 +19,14 @@ the answer when the budget does not. Micro-batches go up to :data:`memfit.plan.s
 rows and :data:`~memfit.plan.search.MAX_MICRO_TOKENS` tokens.
 
 A budget on host memory (``host_memory``; default: this machine's) bounds the answers too when an
-offloading lever moves something there (``Estimate.details["host"]``).
+offloading lever moves something there (``Estimate.details["host"]``): one rank's bytes times the
+ranks that share the node (``ranks_per_node``, 1 when the estimate does not say).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,12 +35,12 @@ from memfit import levers as levers_
 from memfit import progress, step
 from memfit.devices.catalog import ASSUMED_GPU, catalog, find_gpu
 from memfit.errors import UsageError
-from memfit.estimate.api import Estimate, estimate, step_job, validate
+from memfit.estimate.api import estimate, machine_memory_bytes, step_job, validate
 from memfit.job import STEP_DEFAULTS, Job
 from memfit.levers.base import Room
 from memfit.models import resolve_model
-from memfit.plan.configuration import Levers, tier_of
-from memfit.plan.search import MAX_MICRO_ROWS, MAX_MICRO_TOKENS, Space
+from memfit.plan.configuration import TIERS, Levers, tier_of
+from memfit.plan.search import MAX_MICRO_ROWS, MAX_MICRO_TOKENS, Space, host_use
 from memfit.units import format_bytes, parse_size
 
 # sequence lengths are answered in multiples of this (runs pad to it: tensor-core shapes)
@@ -51,17 +51,6 @@ NOT_VARIED = ("truncation",)
 FIT_ROUNDS = 6
 
 __all__ = ["Limit", "Limits", "limits", "machine_memory_bytes"]
-
-
-def machine_memory_bytes() -> int:
-    """This machine's total memory (the default host budget of an offloading step)."""
-    try:
-        # optional: psutil comes with accelerate and deepspeed, not with memfit itself
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except ImportError:  # pragma: no cover - psutil is present wherever accelerate is
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass(frozen=True)
@@ -82,8 +71,11 @@ class Limit:
     next_peak_bytes: int | None = None
     """The GPU peak at ``next_value``."""
     host_bytes: int | None = None
-    """Host memory at ``value`` (None: nothing lives there)."""
+    """Host memory at ``value``, per rank (None: nothing lives there)."""
     next_host_bytes: int | None = None
+    host_ranks: int = 1
+    """How many ranks share the node's host memory (``details["host"]["ranks_per_node"]``): the
+    host budget bounds ``host_bytes × host_ranks``."""
     settings: dict[str, Any] = field(default_factory=dict)
     """With levers: the configuration's lever values (field → value, as the job's flags say
     them) that differ from the job's own."""
@@ -99,6 +91,7 @@ class Limit:
             "next_peak_bytes": self.next_peak_bytes,
             "host_bytes": self.host_bytes,
             "next_host_bytes": self.next_host_bytes,
+            "host_ranks": self.host_ranks,
         }
         if self.settings:
             out["settings"] = dict(self.settings)
@@ -124,6 +117,8 @@ class Limits:
     allow: tuple[str, ...] = ()
     levers: dict[str, Limit] | None = None
     notes: list[str] = field(default_factory=list)
+    world_size: int = 1
+    """The job's ranks: the budgets are per GPU, the host figures per rank."""
 
     @property
     def fits(self) -> bool:
@@ -138,6 +133,7 @@ class Limits:
             "task": self.task,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
+            "world_size": self.world_size,
             "gpu": self.gpu,
             "budget_bytes": self.budget_bytes,
             "usable_bytes": self.usable_bytes,
@@ -183,7 +179,8 @@ def limits(
     configurations a plan may use: every exact lever (checkpointing, a fused cross-entropy,
     the precision where not pinned, offloading) and those ``allow`` names (as ``memfit plan
     --allow``; not truncation), the job's pinned values kept; the answer is the best
-    configuration's, with its settings.
+    configuration's, with only the costly levers it needs (each other one dropped while a real
+    estimate at the answer still fits), and its settings.
 
     The budget is ``gpu_memory``, else the memory of the catalog GPU ``gpu``; the host budget
     ``host_memory``, else this machine's memory.
@@ -257,6 +254,7 @@ def limits(
         gpu=gpu_name,
         allow=allowed,
         notes=notes,
+        world_size=job.world_size or 1,
     )
     if with_levers:
         result.levers = _with_levers(
@@ -348,9 +346,18 @@ def _with_levers(
     seq_len: int | None,
     as_given: Mapping[str, Limit | None],
 ) -> dict[str, Limit]:
-    """Both answers over the least configurations a plan may use (every lever at its most
-    frugal, each option of those whose least depends on the model: :meth:`Space.frugal`), the
-    best one's; among equal answers the least harmful configuration (tier, then fewest changes).
+    """Both answers over the configurations a plan may use, each with only the levers it needs.
+
+    A question is answered in three steps, its estimates bounded whatever the number of
+    configurations: every least configuration (every lever at its most frugal, each option of
+    those whose least depends on the model: :meth:`Space.frugal`) is estimated at the question's
+    largest value (one estimate each); the answer is solved (fit and checks) only for the least
+    harmful of those that reach it, else for the :data:`SOLVED` that come nearest (:func:`_best`);
+    then the best answer's levers are dropped one at a time, the costliest first (the offloading
+    levers, then those used only when allowed, most harmful first, then the others that cost
+    time: checkpointing's recompute, a fused loss), a drop kept while a real estimate at the answer still fits
+    (:func:`_needed`). Among equal answers the least harmful configuration (tier, then fewest
+    changes) is the one kept.
     """
     mixed = (
         find_gpu(gpu).mixed_precision()
@@ -366,8 +373,9 @@ def _with_levers(
         else None,
     )
     space = Space.of(room)
-    configurations = space.frugal(job.world_size or 1, job.sharding or "none")
-    own = {k: v for k, v in base.items()}
+    world, sharding = job.world_size or 1, job.sharding or "none"
+    configurations = space.frugal(world, sharding)
+    own = dict(base)
 
     def knobs_of(config: Levers) -> dict[str, Any]:
         values = config.job_values(room.job.seq_len or 1)
@@ -386,43 +394,146 @@ def _with_levers(
             and not (k not in own and v in (False, 0, "none"))
         }
 
-    def rank(config: Levers, answer: Limit) -> tuple[int, int, int]:
-        # the longest first; then the least harmful, then the fewest changes
-        return (
-            -(answer.value or 0),
-            tier_of(config.values, space.base),
-            len(settings(config)),
-        )
+    def harm(config: Levers) -> tuple[int, int]:
+        # the least harmful, then the fewest changes
+        return tier_of(config.values, space.base), len(settings(config))
 
     out: dict[str, Limit] = {}
-    questions: list[tuple[str, Callable[[dict[str, Any]], Limit]]] = [
-        ("max_seq_len", lambda knobs: solver.longest(knobs, batch_size))
-    ]
-    if seq_len is not None:
-        questions.append(("max_micro_batch", lambda knobs: solver.largest(knobs, seq_len)))
-    for name, ask in questions:
-        progress.report(
-            "with levers: "
-            + ("the longest sequence" if name == "max_seq_len" else "the largest micro-batch")
-            + f" over {len(configurations)} configurations"
-        )
-        answers = [(config, ask(knobs_of(config))) for config in configurations]
-        given = as_given.get(name)
-        if (
-            given is not None
-            and given.value is not None
-            and all((a.value or 0) <= given.value for _, a in answers)
-        ):
-            # the job as given goes as far: no lever is needed for it
-            out[name] = given
+    for name in ("max_seq_len", "max_micro_batch"):
+        if name == "max_micro_batch" and seq_len is None:
             continue
-        if not answers:
+        question = (
+            _Question.longest(solver, batch_size)
+            if name == "max_seq_len"
+            else (_Question.largest(solver, seq_len or 1))
+        )
+        started = solver.count
+        progress.report(f"with levers: {question.what} over {len(configurations)} configurations")
+        if not configurations:
             # memfit train runs no configuration of these levers with the job's other knobs
             out[name] = Limit(None, None, "memory")
             continue
-        config, best = min(answers, key=lambda pair: rank(*pair))
-        out[name] = dataclasses.replace(best, settings=settings(config))
+        config, best = _best(question, configurations, knobs_of, harm)
+        given = as_given.get(name)
+        if given is not None and given.value is not None and (best.value or 0) <= given.value:
+            # the job as given goes as far: no lever is needed for it
+            out[name] = given
+            continue
+        if best.value is not None:
+            progress.report(f"with levers: {question.what}: the levers {best.value:,} needs")
+            config = _needed(question, space, config, best.value, knobs_of, world, sharding)
+            best = question.solve(knobs_of(config))
+        out[name] = dataclasses.replace(
+            best, settings=settings(config), estimates=solver.count - started
+        )
     return out
+
+
+# how many configurations' answers are solved (fit and checks) when none reaches the largest value
+SOLVED = 3
+
+
+@dataclass(frozen=True)
+class _Question:
+    """One question of the solver: its smallest and largest value, a point at a value, and the
+    answer (:meth:`_Solver.longest` or :meth:`_Solver.largest`)."""
+
+    what: str
+    low: int
+    high: int
+    at: Callable[[Mapping[str, Any], int], _Point]
+    solve: Callable[[Mapping[str, Any]], Limit]
+
+    @classmethod
+    def longest(cls, solver: _Solver, batch: int) -> _Question:
+        top = solver.positions
+        return cls(
+            "the longest sequence",
+            min(SEQ_LEN_STEP, top),
+            top,
+            lambda knobs, n: solver.point(knobs, batch, n),
+            lambda knobs: solver.longest(knobs, batch),
+        )
+
+    @classmethod
+    def largest(cls, solver: _Solver, length: int) -> _Question:
+        top = min(MAX_MICRO_ROWS, max(1, MAX_MICRO_TOKENS // max(1, length)))
+        return cls(
+            "the largest micro-batch",
+            1,
+            top,
+            lambda knobs, b: solver.point(knobs, b, length),
+            lambda knobs: solver.largest(knobs, length),
+        )
+
+
+def _best(
+    question: _Question,
+    configurations: list[Levers],
+    knobs_of: Callable[[Levers], dict[str, Any]],
+    harm: Callable[[Levers], tuple[int, int]],
+) -> tuple[Levers, Limit]:
+    """The configuration that goes furthest and its answer: one estimate of each at the largest
+    value, then the answers (fit and checks) of the :data:`SOLVED` nearest it, unless some reach
+    it (the least harmful of those is the answer). When none of those fits at all, the
+    configuration nearest the budget at the smallest value, its answer saying by how much."""
+    highs = {config: question.at(knobs_of(config), question.high) for config in configurations}
+    reach = [config for config in configurations if highs[config].over <= 0]
+    if reach:
+        config = min(reach, key=harm)
+        return config, question.solve(knobs_of(config))
+    tried = sorted(configurations, key=lambda c: (highs[c].over, harm(c)))[:SOLVED]
+    answers = [(config, question.solve(knobs_of(config))) for config in tried]
+    config, best = min(answers, key=lambda pair: (-(pair[1].value or 0), harm(pair[0])))
+    if best.value is None:
+        lows = {config: question.at(knobs_of(config), question.low) for config in configurations}
+        config = min(configurations, key=lambda c: (lows[c].over, harm(c)))
+        best = question.solve(knobs_of(config))
+    return config, best
+
+
+# the levers that move memory to the host: dropped first (host memory and the host link's time)
+OFFLOADING = ("activation-offloading", "optimizer-offload")
+
+
+def _needed(
+    question: _Question,
+    space: Space,
+    config: Levers,
+    value: int,
+    knobs_of: Callable[[Levers], dict[str, Any]],
+    world_size: int,
+    sharding: str,
+) -> Levers:
+    """``config`` with every costly lever ``value`` does not need set back to the job's own:
+    each such lever that differs, the costliest first, is dropped when memfit train runs the rest and a
+    real estimate at ``value`` still fits."""
+    current = dict(config.values)
+    base = space.base
+
+    def changed(lever: Any) -> bool:
+        return any(f in base and current.get(f) != base[f] for f in lever.fields)
+
+    def cost(lever: Any) -> tuple[int, int]:
+        if lever.name in OFFLOADING:
+            return 0, 0
+        if lever.allow and lever.name in TIERS:
+            return 1, -TIERS.index(lever.name)
+        if lever.name == "checkpointing" or lever.time_words(current):
+            return 2, 0
+        # no cost to drop it for (the precision, the attention kernel): kept as it is
+        return 3, 0
+
+    costly = [lever for lever in levers_.LEVERS if changed(lever) and cost(lever)[0] < 3]
+    for lever in sorted(costly, key=cost):
+        if not changed(lever):
+            continue
+        trial = {**current, **{f: base[f] for f in lever.fields if f in base}}
+        if not space.runs(trial, world_size, sharding):
+            continue
+        if question.at(knobs_of(Levers.of(trial)), value).over <= 0:
+            current = trial
+    return Levers.of(current)
 
 
 @dataclass
@@ -430,7 +541,8 @@ class _Point:
     """One estimate: the GPU peak, the host bytes, and how far over its budget it is."""
 
     peak: int
-    host: int | None
+    host: int | None  # per rank
+    ranks: int  # the ranks that share the node's host memory: the budget bounds host × ranks
     over: float  # > 0: over a budget (bytes of the GPU budget: the host's scaled to it)
 
 
@@ -449,11 +561,18 @@ class _Solver:
         if key not in self._points:
             self.count += 1
             result = estimate(self.model, **knobs, batch_size=batch, seq_len=length)
-            host = _host_bytes(result)
+            use = host_use(result)
             over = float(result.total_bytes - self.usable)
-            if host is not None:
-                over = max(over, (host - self.host_budget) * self.usable / self.host_budget)
-            self._points[key] = _Point(result.total_bytes, host, over)
+            if use is not None:
+                over = max(
+                    over, (use.node_bytes - self.host_budget) * self.usable / self.host_budget
+                )
+            self._points[key] = _Point(
+                result.total_bytes,
+                None if use is None else use.per_rank,
+                1 if use is None else use.ranks_per_node,
+                over,
+            )
         return self._points[key]
 
     def longest(self, knobs: Mapping[str, Any], batch: int) -> Limit:
@@ -477,7 +596,11 @@ class _Solver:
             last = self.point(knobs, batch, top)
             if last.over <= 0:
                 return dataclasses.replace(
-                    answer, value=top, peak_bytes=last.peak, host_bytes=last.host
+                    answer,
+                    value=top,
+                    peak_bytes=last.peak,
+                    host_bytes=last.host,
+                    host_ranks=last.ranks,
                 )
         return answer
 
@@ -514,6 +637,7 @@ class _Solver:
                 first.peak,
                 self._bound(first),
                 host_bytes=first.host,
+                host_ranks=first.ranks,
                 estimates=self.count - started,
             )
         last = at(high)
@@ -523,6 +647,7 @@ class _Solver:
                 last.peak,
                 limit_bound,
                 host_bytes=last.host,
+                host_ranks=last.ranks,
                 estimates=self.count - started,
             )
         # the bracket: ``fits`` fits, ``over`` does not; the fit's points, by k
@@ -565,6 +690,7 @@ class _Solver:
             next_peak_bytes=past.peak,
             host_bytes=answer.host,
             next_host_bytes=past.host,
+            host_ranks=answer.ranks,
             estimates=self.count - started,
         )
 
@@ -616,12 +742,3 @@ def _zeros(a: float, b: float, c: float) -> list[float]:
         return []
     root = math.sqrt(disc)
     return [(-b - root) / (2 * a), (-b + root) / (2 * a)]
-
-
-def _host_bytes(result: Estimate) -> int | None:
-    """What the estimate keeps in host memory (``details["host"]``: an offloading lever), or
-    None."""
-    host = result.details.get("host")
-    if isinstance(host, Mapping) and host.get("total_bytes") is not None:
-        return int(host["total_bytes"])
-    return None

@@ -57,6 +57,7 @@ from memfit import levers, step
 from memfit.devices.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.errors import UsageError
 from memfit.estimate import depth, workload
+from memfit.estimate.api import machine_memory_bytes
 from memfit.estimate.prefetch import prefetch
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
 from memfit.extras import problems as missing_packages
@@ -73,7 +74,6 @@ from memfit.plan import cost
 from memfit.plan.configuration import LORA_RANK, QLORA, TIERS, Candidate, Levers, Plan
 from memfit.plan.data_profile import DataProfile
 from memfit.plan.explain import explain, suggest
-from memfit.plan.limits import machine_memory_bytes
 from memfit.plan.search import (
     MAX_MICRO_ROWS,
     MAX_MICRO_TOKENS,
@@ -618,9 +618,9 @@ def _without_last_resort(space: Space) -> Space:
 
 
 def _host_fits(search: Search, knobs: Levers) -> bool:
-    """Whether what ``knobs`` keep in host memory at micro-batch 1 fits the host budget."""
-    host = search.host(knobs, 1)
-    return host is None or search.host_budget is None or host <= search.host_budget
+    """Whether what ``knobs`` keep in host memory at micro-batch 1 fits the host budget (every
+    rank of the node's share: :meth:`Search.host_fits`)."""
+    return search.host_fits(knobs, 1)
 
 
 SCALE_OUT_STEPS = 3  # world sizes priced beyond the one asked: ×2, ×4, ×8

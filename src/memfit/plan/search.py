@@ -35,6 +35,30 @@ MAX_MICRO_TOKENS = 2**32
 
 
 @dataclass(frozen=True)
+class HostUse:
+    """What an estimate keeps in host memory (``details["host"]``: an offloading lever): one
+    rank's bytes, and how many ranks share the node's memory (``ranks_per_node``; 1 when the
+    estimate does not say)."""
+
+    per_rank: int
+    ranks_per_node: int = 1
+
+    @property
+    def node_bytes(self) -> int:
+        """What the node's ranks keep there together: the figure the host budget bounds."""
+        return self.per_rank * self.ranks_per_node
+
+
+def host_use(result: Any) -> HostUse | None:
+    """What the estimate ``result`` keeps in host memory (None: nothing lives there)."""
+    host = result.details.get("host")
+    if not isinstance(host, Mapping) or host.get("total_bytes") is None:
+        return None
+    ranks = host.get("ranks_per_node")
+    return HostUse(int(host["total_bytes"]), max(1, int(ranks)) if ranks is not None else 1)
+
+
+@dataclass(frozen=True)
 class Space:
     """The lever values a plan may try: each lever's options in ``room`` (the job's own values
     first), in the levers' order. A configuration is one option of each lever, kept only when
@@ -146,7 +170,7 @@ class Search:
     least: dict[Levers, int] = field(default_factory=dict)
     _estimates: dict[tuple[Levers, int], int] = field(default_factory=dict)
     # host memory of the estimates that keep something there (``details["host"]``)
-    _hosts: dict[tuple[Levers, int], int] = field(default_factory=dict)
+    _hosts: dict[tuple[Levers, int], HostUse] = field(default_factory=dict)
     _model_states: dict[tuple[Levers, int], int] = field(default_factory=dict)
     _orders: dict[Levers, tuple[int, bool]] = field(default_factory=dict)
 
@@ -213,23 +237,38 @@ class Search:
             result = estimate(self.model, **self.estimate_kwargs(knobs, micro))
             self._estimates[key] = result.total_bytes
             self._model_states[key] = result.details["model_state"]["total_bytes"]
-            host = result.details.get("host")
-            if isinstance(host, Mapping) and host.get("total_bytes") is not None:
-                self._hosts[key] = int(host["total_bytes"])
+            host = host_use(result)
+            if host is not None:
+                self._hosts[key] = host
         return self._estimates[key]
 
     def host(self, knobs: Levers, micro: int) -> int | None:
-        """Host memory these knobs keep at micro-batch ``micro`` (None: nothing lives there)."""
+        """Host memory these knobs keep at micro-batch ``micro``, per rank (None: nothing lives
+        there)."""
         self.peak(knobs, micro)
-        return self._hosts.get((knobs, micro))
+        use = self._hosts.get((knobs, micro))
+        return None if use is None else use.per_rank
+
+    def host_ranks(self, knobs: Levers, micro: int) -> int:
+        """How many ranks share the node's host memory with these knobs' (1: nothing there or
+        the estimate does not say)."""
+        self.peak(knobs, micro)
+        use = self._hosts.get((knobs, micro))
+        return 1 if use is None else use.ranks_per_node
+
+    def host_fits(self, knobs: Levers, micro: int) -> bool:
+        """Whether what these knobs keep in host memory at micro-batch ``micro`` fits the host
+        budget: every rank of the node's share of it (:class:`HostUse`)."""
+        self.peak(knobs, micro)
+        use = self._hosts.get((knobs, micro))
+        return use is None or self.host_budget is None or use.node_bytes <= self.host_budget
 
     def fits(self, knobs: Levers, micro: int) -> bool:
-        """Whether the step fits both budgets: its GPU peak the usable memory, and what it keeps
-        in host memory (an offloading lever) the host budget."""
+        """Whether the step fits both budgets: its GPU peak the usable memory, and what its
+        node's ranks keep in host memory (an offloading lever) the host budget."""
         if self.peak(knobs, micro) > self.usable:
             return False
-        host = self.host(knobs, micro)
-        return host is None or self.host_budget is None or host <= self.host_budget
+        return self.host_fits(knobs, micro)
 
     def model_state(self, knobs: Levers, micro: int) -> int:
         """Parameters, gradients and optimizer state on one rank (plus the scheme's buffers)."""

@@ -56,10 +56,14 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
     )
     if estimate.budget_bytes is not None:
         budget = budget_words(estimate.budget_bytes, estimate.details.get("gpu"))
-        if estimate.fits:
+        # the GPU's verdict; an offloading step's host memory has its own (``fits`` is both)
+        host = estimate.details.get("host")
+        host_short = isinstance(host, dict) and host.get("fits") is False
+        if estimate.total_bytes <= estimate.budget_bytes:
             console.print(
                 f"[green]Fits[/green] in {budget}: "
-                f"{format_bytes(estimate.budget_bytes - estimate.total_bytes)} to spare."
+                f"{format_bytes(estimate.budget_bytes - estimate.total_bytes)} to spare"
+                + ("; [red]the host memory does not[/red] (below)." if host_short else ".")
             )
         else:
             console.print(

@@ -1,10 +1,12 @@
 """Activation offloading (``--activation-offloading``): the tensors the forward pass saves for the
 backward pass wait in host memory, run alike by ``memfit train`` and traced by the estimator.
 
-:func:`offload_context` is what a run enters around its forward and backward: on CUDA, TRL's
-``get_act_offloading_ctx_manager`` where TRL is installed (torchtune's ``OffloadActivations``:
-pinned host copies on a side stream), else PyTorch's ``torch.autograd.graph.save_on_cpu`` (pinned
-on CUDA; on the CPU device plain copies, the same values back, which is what the CPU truth checks).
+:func:`offload_context` is what a run enters around each micro-batch's forward and backward
+(:class:`PerMicroBatch`: one entry per attempt): on CUDA, TRL's ``get_act_offloading_ctx_manager``
+(torchtune's ``OffloadActivations``: pinned host copies on a side stream), and only it: a CUDA run
+without TRL installed is refused (``pip install 'memfit[trl]'``), so that a CUDA estimate
+emulates TRL's rules whatever is installed where it runs. On the CPU device PyTorch's
+``torch.autograd.graph.save_on_cpu`` (a copy to the CPU of a CPU tensor is the tensor itself).
 
 :class:`OffloadEmulation` is what the estimator enters instead, on fake tensors: a
 ``saved_tensors_hooks`` whose pack decides, by the rules of the implementation that would run on
@@ -63,20 +65,48 @@ def trl_available() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def implementation(device_type: str, *, trl: bool | None = None) -> str:
-    """Which implementation :func:`offload_context` runs on ``device_type`` (``trl``: whether TRL
-    is installed; None: look), in words (``run.json``, the estimate's details)."""
-    if device_type == "cuda":
-        if trl_available() if trl is None else trl:
-            return "trl"  # TRL's get_act_offloading_ctx_manager (pinned, a side stream)
-        return "save_on_cpu-pinned"  # torch.autograd.graph.save_on_cpu(pin_memory=True)
-    return "save_on_cpu"  # torch.autograd.graph.save_on_cpu(pin_memory=False)
+TRL_MISSING = (
+    "--activation-offloading on a CUDA device runs TRL's activation offloading context "
+    "(trl.models.get_act_offloading_ctx_manager), and TRL is not installed: "
+    "pip install 'memfit[trl]'"
+)
+
+
+def implementation(device_type: str) -> str:
+    """Which implementation :func:`offload_context` runs on ``device_type``, in words
+    (``run.json``, the estimate's details): on CUDA always TRL's context manager (a run without
+    TRL installed is refused: :func:`require`), so that an estimate for a CUDA device emulates
+    TRL's rules whatever is installed where it runs; elsewhere ``save_on_cpu`` (on the CPU
+    device a copy that is the same memory)."""
+    return "trl" if device_type == "cuda" else "save_on_cpu"
+
+
+def missing(device_type: str) -> str | None:
+    """Why activation offloading cannot run on ``device_type`` here (the caller refuses it:
+    exit 2), or None: on CUDA without TRL (torch's ``save_on_cpu`` would copy every saved
+    tensor, weights included, which is not what the estimate prices)."""
+    if implementation(device_type) == "trl" and not trl_available():
+        return TRL_MISSING
+    return None
+
+
+class OffloadUnavailable(RuntimeError):
+    """Activation offloading asked for where it cannot run (:func:`missing` says why)."""
+
+
+def require(device_type: str) -> None:
+    """Raises :class:`OffloadUnavailable` where :func:`missing` says offloading cannot run."""
+    problem = missing(device_type)
+    if problem is not None:
+        raise OffloadUnavailable(problem)
 
 
 def offload_context(model: nn.Module, device_type: str) -> contextlib.AbstractContextManager[Any]:
     """The context a run enters around each micro-batch's forward and backward (TRL enters it
-    around its ``training_step``). Built once per run and entered again for each micro-batch:
-    TRL's registers its hooks on the model's output head when built."""
+    around its ``training_step``; :class:`PerMicroBatch` does for ``memfit train``). Built once
+    per run and entered again for each micro-batch: TRL's registers its hooks on the model's
+    output head when built. Refuses CUDA without TRL (:func:`require`)."""
+    require(device_type)
     if implementation(device_type) == "trl":
         # optional: TRL is an extra of memfit train (importing it loads accelerate too)
         from trl.models.activation_offloading import get_act_offloading_ctx_manager
@@ -85,9 +115,68 @@ def offload_context(model: nn.Module, device_type: str) -> contextlib.AbstractCo
             model, warn_if_no_head=False
         )
         return context
-    # the copy on the CPU device is a plain one (same memory): what offloading changes there is
-    # only when tensors are copied, which is what the CPU truth checks
-    return torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda")
+    # the copy on the CPU device is the tensor itself (``.to("cpu")`` of a CPU tensor)
+    return torch.autograd.graph.save_on_cpu(pin_memory=False)
+
+
+class PerMicroBatch:
+    """Enters a run's offloading ``context`` as each micro-batch's forward starts and exits it
+    when that micro-batch's backward has ended or anything in between failed: each attempt the
+    guard makes (a re-run after an OOM too) runs in its own entry, so that TRL's ``__enter__``
+    drops what a failed attempt left in its tracker and stashes (else its ``pack_tensor`` raises
+    "Backward pass should have cleared tracker of all tensors" and the stashed tensors leak).
+
+    The guard calls :meth:`autocast` (wrapping the run's autocast factory) around each
+    micro-batch's forward and :meth:`backward` (wrapping the run's backward) on its loss.
+    """
+
+    def __init__(self, context: contextlib.AbstractContextManager[Any]) -> None:
+        self.context = context
+        self.entered = False
+
+    def close(self, *exc: Any) -> None:
+        """Exits the context if it is entered (after a failure: what failed)."""
+        if self.entered:
+            self.entered = False
+            self.context.__exit__(*(exc or (None, None, None)))
+
+    def autocast(
+        self, inner: Callable[[], contextlib.AbstractContextManager[Any]]
+    ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """The guard's autocast factory: enters the context, then ``inner``'s autocast."""
+
+        @contextlib.contextmanager
+        def forward() -> Any:
+            # a forward whose backward never ran (it failed in between): a fresh entry
+            self.close()
+            self.context.__enter__()
+            self.entered = True
+            try:
+                with inner():
+                    yield
+            except BaseException as exc:
+                self.close(type(exc), exc, exc.__traceback__)
+                raise
+
+        return forward
+
+    def backward(
+        self, inner: Callable[[torch.Tensor], None] | None
+    ) -> Callable[[torch.Tensor], None]:
+        """The guard's backward: ``inner`` (None: ``loss.backward()``), then the context exits."""
+
+        def run(loss: torch.Tensor) -> None:
+            try:
+                if inner is None:
+                    loss.backward()
+                else:
+                    inner(loss)
+            except BaseException as exc:
+                self.close(type(exc), exc, exc.__traceback__)
+                raise
+            self.close()
+
+        return run
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
@@ -143,7 +232,6 @@ class OffloadEmulation(saved_tensors_hooks):
 
     def __init__(self, model: nn.Module, target: str, host_copy: HostCopy) -> None:
         self.trl = target == "trl"
-        self.same_memory = target == "save_on_cpu"
         self.host_copy = host_copy
         # the model is held so that its parameters' storages stay theirs (an address freed
         # would be another tensor's)
@@ -273,11 +361,9 @@ class OffloadEmulation(saved_tensors_hooks):
         if kept is not None:
             return kept
         if not self.trl:
-            if self.same_memory:
-                # save_on_cpu on the CPU device: ``.to("cpu")`` returns the copy itself
-                returned: torch.Tensor = host
-                return returned
-            return self._restore(restore, host)
+            # save_on_cpu on the CPU device: ``.to("cpu")`` returns the copy itself
+            returned: torch.Tensor = host
+            return returned
         if not self.backward_started and torch._C._current_graph_task_id() != -1:
             self.backward_started = True
             # TRL frees what is left of its backward stash when the backward ends
@@ -338,9 +424,12 @@ class OffloadEmulation(saved_tensors_hooks):
 __all__ = [
     "FORWARD_STASH",
     "MIN_OFFLOAD_BYTES",
+    "TRL_MISSING",
     "OffloadEmulation",
+    "PerMicroBatch",
     "implementation",
     "offload_context",
     "output_head",
+    "require",
     "trl_available",
 ]

@@ -423,6 +423,12 @@ def read_checkpoint(
         optimizer.load_state_dict(
             torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
         )
+        # torchao's CPUOffloadOptimizer (--optimizer-offload cpu on CUDA) steps host copies of
+        # the weights, taken when it was built: they get the loaded weights, or its first step
+        # writes the old ones back (memfit.train.optim._resynced)
+        sync = getattr(optimizer, "sync_host_weights", None)
+        if sync is not None:
+            sync()
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     if scaler is not None and (path / "scaler.pt").is_file():
         scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))

@@ -248,7 +248,15 @@ def check_config(cfg: TrainConfig) -> None:
 def config_problems(cfg: TrainConfig) -> list[str]:
     """The problems with the flags (and the files' existence), one message each: the job's
     (:meth:`Job.problems`), then the run's."""
+    offload: list[str] = []
+    if cfg.deepspeed is not None:
+        # its offload_optimizer is the run's --optimizer-offload (checked, priced); imported here
+        # for the CLI's start-up time (memfit.train.zero loads torch)
+        from memfit.train.zero import resolve_optimizer_offload
+
+        offload = resolve_optimizer_offload(cfg)
     problems = cfg.problems(typed=True)
+    problems.extend(x for x in offload if x not in problems)
 
     def add(found: list[str]) -> None:
         # a check the job makes too (LoRA's, say) says it once

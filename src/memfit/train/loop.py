@@ -37,7 +37,7 @@ from memfit.train.config import TrainResult
 from memfit.train.console import Progress, say
 from memfit.train.distributed import shard_rows
 from memfit.train.memory import PeakMemory, snapshot_writer
-from memfit.train.optim import offload_implementation, rescale_lr
+from memfit.train.optim import offload_implementation, rescale_lr, state_format
 from memfit.train.resume import (
     changed_settings,
     misfit,
@@ -136,6 +136,14 @@ class TrainingRun(RunSetup):
                 f"--resume: {path} holds the state of --optimizer {optimizer}, not of "
                 f"--optimizer {self.cfg.optimizer}: resume with --optimizer {optimizer}, or "
                 "start a new run in another folder"
+            )
+        layout = saved.get("optimizer_format", "torch")
+        if self.zero_stage is None and layout != state_format(self.optimizer):
+            offload = "cpu" if layout != "torch" else "none"
+            raise UsageError(
+                f"--resume: {path} holds an optimizer state of --optimizer-offload {offload} "
+                f"({layout}), which this run's optimizer does not load: resume with "
+                f"--optimizer-offload {offload}, or start a new run in another folder"
             )
         try:
             state = ck.read_checkpoint(
@@ -260,7 +268,11 @@ class TrainingRun(RunSetup):
         """Under ``cap`` (--memory-cap, or None): what it counts from the start, the step's peak
         memory by phase, and with --memory-snapshot a snapshot at each caught OOM."""
         if cap is not None:
-            cap.track(self.model, self.optimizer)
+            optimizer = self.optimizer
+            if state_format(optimizer) == "torchao-cpu-offload":
+                # torchao's offloaded state is host memory: its on-device optimizer's is counted
+                optimizer = optimizer.d_opt
+            cap.track(self.model, *([optimizer] if optimizer is not None else []))
             if self.ranks is not None:
                 # written in place at every sync point: held already, never a new allocation
                 cap.track(*self.ranks.buffers())
@@ -414,18 +426,28 @@ class TrainingRun(RunSetup):
             rows = shard_rows(rows, recipe.lengths(rows) if rows else None, self.rank, self.world)
         while True:
             try:
-                # --activation-offloading: around every micro-batch's forward and backward, as
-                # TRL's SFTTrainer enters it around its training step
-                with self.offload or contextlib.nullcontext():
+                # --activation-offloading: entered as each micro-batch's forward starts (the
+                # autocast factory) and exited when its backward ends or fails (the guard's
+                # backward, make_guard): each attempt its own entry, as TRL's SFTTrainer enters it
+                # around each training step
+                offloading = self.offload
+                try:
                     loss: float = guard.step(
                         rows,
                         recipe,
                         params=self.params,
-                        autocast=self.autocast,
+                        autocast=(
+                            offloading.autocast(self.autocast)
+                            if offloading is not None
+                            else self.autocast
+                        ),
                         scale=(self.scaler.scale if self.scaler is not None else _identity),
                         step=number,
                         total_units=total_units,
                     )
+                finally:
+                    if offloading is not None:
+                        offloading.close()
                 return loss
             except StepTooLarge as exc:
                 # every rank gets here together (the guard agreed on it) and decides alike
@@ -655,6 +677,10 @@ class TrainingRun(RunSetup):
                 with torch.no_grad():
                     for param, saved in zip(self.params, snapshot, strict=True):
                         param.copy_(saved)
+                # torchao's CPUOffloadOptimizer steps host copies: they get the weights back too
+                sync = getattr(optimizer, "sync_host_weights", None)
+                if sync is not None:
+                    sync()
             _set_rng_state(self.device, rng)
         # the plan is corrected: a later grow never goes past what the longest rows allowed
         guard.target_micro_batch_size = guard.micro_batch_size
@@ -714,6 +740,8 @@ class TrainingRun(RunSetup):
             # what its weights fit: a resume with another --model is refused before loading
             "model": self.model_signature,
             "optimizer": self.cfg.optimizer,
+            # its optimizer.pt's layout (--optimizer-offload cpu on CUDA: torchao's)
+            "optimizer_format": state_format(self.optimizer),
         }
         path = ck.write_checkpoint(
             self.ckpt_dir,

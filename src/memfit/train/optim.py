@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ def _offloaded(
         except ImportError:
             raise UsageError(
                 "--optimizer-offload cpu: on CUDA memfit train runs torchao's "
-                "CPUOffloadOptimizer; torchao is not installed (pip install torchao)"
+                "CPUOffloadOptimizer; torchao is not installed (pip install 'memfit[torchao]')"
             ) from None
 
         return _resynced(CPUOffloadOptimizer)(groups, base, lr=lr)
@@ -114,25 +115,101 @@ def _offloaded(
     return torch.optim.AdamW(groups, lr=lr, fused=True)
 
 
+class _OffloadedState(Mapping[Any, dict[str, Any]]):
+    """``optimizer.state`` of torchao's ``CPUOffloadOptimizer``, which never calls
+    ``Optimizer.__init__`` and so has none: its inner optimizers' states merged, each keyed by
+    the model's parameter (the host copy's state under its device parameter), the on-device
+    optimizer's (parameters under ``minimal_size``) as they are. ``clear()`` clears them all."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner
+
+    def _items(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+        owner = self._owner
+        if owner.d_opt is not None:
+            yield from owner.d_opt.state.items()
+        for p_device, inner in owner.optim_dict.items():
+            p_host = owner.param_d2h_map[p_device]
+            if p_host in inner.state:
+                yield p_device, inner.state[p_host]
+
+    def __getitem__(self, key: Any) -> dict[str, Any]:
+        for param, state in self._items():
+            if param is key:
+                return state
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (param for param, _ in self._items())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._items())
+
+    def clear(self) -> None:
+        owner = self._owner
+        if owner.d_opt is not None:
+            owner.d_opt.state.clear()
+        for inner in owner.optim_dict.values():
+            inner.state.clear()
+
+
+def state_format(optimizer: Any) -> str:
+    """How ``optimizer.state_dict()`` is laid out (a checkpoint's ``optimizer_format``): torchao's
+    ``CPUOffloadOptimizer`` keeps one state dict per offloaded parameter ("offloaded", "on-device"),
+    every other optimizer torch's ("state", "param_groups"). A resume needs the same layout."""
+    return "torchao-cpu-offload" if hasattr(optimizer, "param_d2h_map") else "torch"
+
+
 def _resynced(cls: type) -> type:
-    """torchao's ``CPUOffloadOptimizer`` whose step first copies every gradient to the host
-    again. torchao copies a gradient out as backward makes it; memfit's loop changes them after
-    that (summed over ranks, fp16-unscaled, clipped by --max-grad-norm), so the host copies the
-    update reads are taken anew, after all of it, on torchao's own stream."""
+    """torchao's ``CPUOffloadOptimizer`` (torchao/optim/cpu_offload.py, torchao 0.18/0.19) made to
+    fit memfit's loop:
+
+    - its step first copies every gradient to the host again. torchao copies a gradient out as
+      backward makes it; memfit's loop changes them after that (summed over ranks,
+      fp16-unscaled, clipped by --max-grad-norm), so the host copies the update reads are taken
+      anew, after all of it, on torchao's own stream; the queue holds this step's only;
+    - ``state``: torchao's class has none (no ``Optimizer.__init__``); the probe, the memory cap
+      and the trace read it, the probe clears it (:class:`_OffloadedState`);
+    - ``sync_host_weights()``: torchao steps its pinned host copies and copies them to the
+      device; weights written to the device otherwise (the probe's undo, a resumed checkpoint)
+      must reach the host copies too, or the next step writes the old ones back."""
 
     class Resynced(cls):  # type: ignore[misc, valid-type]
+        @property
+        def state(self) -> _OffloadedState:
+            return _OffloadedState(self)
+
         @torch.no_grad()
         def step(self, closure: Any = None) -> Any:
-            current = torch.cuda.current_stream()
-            self.stream.wait_stream(current)
+            backend = getattr(torch, self.device)  # torch.cuda (or torch.xpu), as torchao does
+            self.stream.wait_stream(backend.current_stream())
+            self.queue.clear()  # a gradient a backward hook queued and zero_grad dropped since
             for p_device, p_host in self.param_d2h_map.items():
                 if p_device.grad is None:
                     continue
-                with torch.cuda.stream(self.stream):
+                with backend.stream(self.stream):
                     p_host.grad.copy_(p_device.grad, non_blocking=True)
-                self.queue.pop(p_device, None)
                 self.queue[p_device] = self.stream.record_event()
             return super().step(closure)
+
+        @torch.no_grad()
+        def sync_host_weights(self) -> None:
+            """The device weights copied to torchao's host copies (its next step updates those
+            and writes them back); no queued gradient is left over."""
+            self.stream.synchronize()
+            for p_device, p_host in self.param_d2h_map.items():
+                p_host.copy_(p_device.detach())
+            self.queue.clear()
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            if "offloaded" not in state_dict or len(state_dict["offloaded"]) != len(
+                self.optim_dict
+            ):
+                raise ValueError(
+                    "the optimizer state is not one of torchao's CPUOffloadOptimizer over this "
+                    "model (written without --optimizer-offload cpu, or for another model)"
+                )
+            super().load_state_dict(state_dict)
 
     Resynced.__name__ = Resynced.__qualname__ = cls.__name__
     return Resynced

@@ -46,6 +46,11 @@ def checked_inputs(cfg: TrainConfig) -> tuple[Any, Sequence[Row], Sequence[Row] 
     """The recipe and the training and eval rows; every problem with the flags and every bad row
     of both files at once (a UsageError), before anything is loaded or written."""
     problems = config_problems(cfg)
+    if cfg.activation_offloading:
+        # on CUDA TRL's context or nothing (what the estimate prices): refused before loading
+        problem = offload.missing(resolve_device(cfg.device).type)
+        if problem is not None:
+            problems.append(problem)
     recipe: Any = None
     try:
         # an unknown --task is the job's problem, said once
@@ -462,9 +467,12 @@ class RunSetup:
         # DeepSpeed casts the module to 16 bits itself (and scales fp16 losses)
         self.autocast = autocast(device, "fp32" if zero else self.precision)
         # --activation-offloading: the saved activations wait in host memory between each
-        # micro-batch's forward and backward; built once (TRL's hooks the model's output head)
+        # micro-batch's forward and backward; built once (TRL's hooks the model's output head),
+        # entered per micro-batch attempt (the guard's autocast and backward, make_guard)
         self.offload = (
-            offload.offload_context(self.model, device.type) if cfg.activation_offloading else None
+            offload.PerMicroBatch(offload.offload_context(self.model, device.type))
+            if cfg.activation_offloading
+            else None
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -566,6 +574,7 @@ class RunSetup:
             ranks.prepare(self.params)
             if sharded is not None:
                 ranks.reduces_in_backward = True
+        backward = sharded.backward if self.zero_stage is not None else None
         self.guard = Guard(
             self.micro,
             target_micro_batch_size=self.micro,
@@ -580,7 +589,7 @@ class RunSetup:
                 else None
             ),
             on_recover=sharded.reset if sharded is not None else None,
-            backward=sharded.backward if self.zero_stage is not None else None,
+            backward=self.offload.backward(backward) if self.offload is not None else backward,
         )
         self.settings = step_settings(self.cfg, self.rows_n, self.lengths)
         if self.lock.note is not None:

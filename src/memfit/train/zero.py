@@ -48,6 +48,7 @@ from torch import nn
 from memfit.errors import UsageError
 from memfit.estimate.sharding import deepspeed_zero_config
 from memfit.extras import is_installed, missing_line
+from memfit.levers.optimizer_offload import offload_problems
 from memfit.runtime import quiet_deepspeed
 
 # the collectives of deepspeed.comm's backend object (deepspeed/comm/torch.py TorchBackend) that
@@ -172,17 +173,57 @@ def _offload_problems(zero: dict[str, Any], path: str) -> list[str]:
     return problems
 
 
-def optimizer_offload_of(cfg: Any) -> str | None:
-    """``--optimizer-offload``, or ``"cpu"`` where the ``--deepspeed`` file offloads the
-    optimizer to the CPU itself (its ZeRO-Offload needs DeepSpeed's CPU Adam either way)."""
-    if getattr(cfg, "optimizer_offload", None) == "cpu":
-        return "cpu"
-    path = getattr(cfg, "deepspeed", None)
-    if path:
+def _file_offload(path: str | None) -> str | None:
+    """What a ``--deepspeed`` file says of the optimizer's offload: ``"cpu"``, ``"none"`` (a
+    section whose device is none), None (no section, or no file it can read: config_problems
+    says that). Another device is config_problems' (:func:`_offload_problems`)."""
+    if not path:
+        return None
+    try:
         zero = read_config(path).get("zero_optimization", {})
-        if isinstance(zero, dict) and _offload_device(zero.get("offload_optimizer")) == "cpu":
-            return "cpu"
-    return getattr(cfg, "optimizer_offload", None)
+    except UsageError:
+        return None
+    if not isinstance(zero, dict) or not zero.get("offload_optimizer"):
+        return None
+    device = _offload_device(zero.get("offload_optimizer"))
+    return "none" if device is None else device
+
+
+def resolve_optimizer_offload(cfg: Any) -> list[str]:
+    """The ``--deepspeed`` file's ``offload_optimizer`` made the run's ``cfg.optimizer_offload``
+    before the config's problems are looked for, so that the run prices (memfit's plan and
+    estimate) and builds (DeepSpeedCPUAdam) what the file runs. Returns the problems, one line
+    each: a file that offloads with an optimizer offload does not run (named as the file's), and
+    an ``--optimizer-offload`` the file contradicts (then nothing is changed)."""
+    path = getattr(cfg, "deepspeed", None)
+    found = _file_offload(path)
+    if found not in ("cpu", "none"):
+        return []
+    flag = getattr(cfg, "optimizer_offload", None)
+    if flag is not None and flag != found:
+        return [
+            f"--optimizer-offload {flag} but --deepspeed {path}: "
+            f'zero_optimization.offload_optimizer.device is "{found}"; make them agree (or '
+            "leave --optimizer-offload out)"
+        ]
+    if found == "cpu":
+        sharding = cfg.sharding if cfg.sharding in ("zero1", "zero2", "zero3") else "zero1"
+        problems = offload_problems(cfg.optimizer, sharding, getattr(cfg, "mode", None))
+        if problems:
+            said = f"--deepspeed {path}: zero_optimization.offload_optimizer cpu:"
+            return [x.replace("--optimizer-offload cpu:", said, 1) for x in problems]
+    cfg.optimizer_offload = found
+    return []
+
+
+def optimizer_offload_of(cfg: Any) -> str | None:
+    """``--optimizer-offload``, or what the ``--deepspeed`` file says where the run's config did
+    not take it in already (:func:`resolve_optimizer_offload`)."""
+    flag = getattr(cfg, "optimizer_offload", None)
+    if flag is not None:
+        return str(flag)
+    found = _file_offload(getattr(cfg, "deepspeed", None))
+    return "cpu" if found == "cpu" else None
 
 
 def _precision_problems(config: dict[str, Any], path: str, precision: str) -> list[str]:

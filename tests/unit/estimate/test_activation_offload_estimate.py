@@ -190,8 +190,33 @@ def test_a_host_budget_too_small_is_said_and_a_bad_one_refused(llama4: str) -> N
     )
     assert est.details["host"]["budget_bytes"] == 64 * 1024
     assert est.details["host"]["fits"] is False
+    # the estimate's fits includes the host's budget (no GPU budget was given: None otherwise)
+    assert est.fits is False and est.budget_bytes is None
+    roomy = _estimate(
+        llama4, gradient_checkpointing=True, activation_offloading=True, host_memory="64GiB"
+    )
+    assert roomy.fits is None and roomy.details["host"]["fits"] is True
     with pytest.raises(UsageError, match="--host-memory"):
         _estimate(llama4, activation_offloading=True, host_memory="lots")
+
+
+def test_a_cuda_estimate_follows_trls_rules_without_trl_installed(
+    llama4: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """memfit train runs TRL's context on CUDA (and refuses to run without it), so the estimate
+    of a CUDA step is TRL's on a machine without TRL too: the same host bytes, said "trl"."""
+    from memfit.step import offload
+
+    with_trl = _estimate(llama4, gradient_checkpointing=True, activation_offloading=True)
+    monkeypatch.setattr(offload, "trl_available", lambda: False)
+    without = _estimate(llama4, gradient_checkpointing=True, activation_offloading=True)
+    assert without.details["host"] == with_trl.details["host"]
+    assert without.details["host"]["activation_offloading"] == "trl"
+
+
+def test_an_evaluation_with_offloading_is_refused_naming_the_flag(llama4: str) -> None:
+    with pytest.raises(UsageError, match=r"--activation-offloading: an evaluation \(--mode eval\)"):
+        _estimate(llama4, activation_offloading=True, mode="eval")
 
 
 def test_the_cpu_device_has_no_host_part(llama4: str) -> None:

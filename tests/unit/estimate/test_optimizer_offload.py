@@ -197,3 +197,20 @@ def test_zero_offload_host_parts_by_stage() -> None:
     assert zero3["master_weights"] == 4 * sum(partitions)
     assert zero3["reduced_gradient_partitions"] == 2 * sum(partitions)
     assert "bit16_partition_buffer" not in zero3
+
+
+def test_the_host_budget_bounds_every_rank_of_the_node(tiny_bert: str) -> None:
+    """ZeRO-2 on 8 GPUs: each rank keeps its own partitions in host memory, so the node holds
+    8 times the per-rank figure; a budget that one rank's fits but the node's does not is not
+    enough."""
+    kw = dict(task="classification", batch_size=4, seq_len=64, device="cuda", precision="bf16")
+    kw |= dict(world_size=8, sharding="zero2", optimizer_offload="cpu")
+    host = estimate(tiny_bert, host_memory=2**40, **kw).details["host"]
+    per_rank = host["total_bytes"]
+    assert host["per"] == "rank" and host["ranks_per_node"] == 8
+    assert host["fits"]
+    assert not estimate(tiny_bert, host_memory=8 * per_rank - 1, **kw).details["host"]["fits"]
+    assert estimate(tiny_bert, host_memory=8 * per_rank, **kw).details["host"]["fits"]
+    # one rank (no sharding): the node holds the one copy
+    one = estimate(tiny_bert, host_memory=2**40, **{**kw, "world_size": 1, "sharding": "none"})
+    assert one.details["host"]["ranks_per_node"] == 1

@@ -7,14 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from memfit.devices.catalog import find_gpu
 from memfit.job import Job
 from memfit.levers.base import Room
 from memfit.levers.cure import Patient
-from memfit.levers.optimizer_offload import (
-    FALLBACK_HOST_LINK_GBPS,
-    HOST_MEMORY_BYTES_PER_SECOND,
-    LEVER,
-)
+from memfit.levers.optimizer_offload import HOST_MEMORY_BYTES_PER_SECOND, LEVER
 
 
 def _job(**knobs: object) -> Job:
@@ -79,9 +76,12 @@ def test_the_step_costs_the_cpus_adamw_and_the_host_link() -> None:
     part = 10**9 // 4
     expected = part * 28 / HOST_MEMORY_BYTES_PER_SECOND + 2 * part * 2 / 25e9
     assert LEVER.step_seconds(zero, shape, gpu) == pytest.approx(expected)
-    # a GPU entry without a host link: the conservative fallback
-    bare = LEVER.step_seconds({"optimizer_offload": "cpu"}, shape, SimpleNamespace())
-    assert bare == pytest.approx(cpu + 2 * 10**9 * 4 / (FALLBACK_HOST_LINK_GBPS * 1e9))
+    # the catalog's card: its own link (an H100's PCIe 5.0 x16)
+    h100 = find_gpu("H100")
+    on_h100 = LEVER.step_seconds({"optimizer_offload": "cpu"}, shape, h100)
+    assert on_h100 == pytest.approx(cpu + 2 * 10**9 * 4 / (h100.host_link_gbps * 1e9))
+    # no card: no link to charge, the CPU's update only
+    assert LEVER.step_seconds({"optimizer_offload": "cpu"}, shape, None) == pytest.approx(cpu)
     assert LEVER.step_seconds({"optimizer_offload": "none"}, shape, gpu) == 0.0
 
 

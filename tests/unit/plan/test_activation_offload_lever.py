@@ -11,7 +11,7 @@ import pytest
 from memfit.devices.catalog import find_gpu
 from memfit.job import Job
 from memfit.levers import BY_NAME
-from memfit.levers.activation_offloading import LEVER, saved_bytes
+from memfit.levers.activation_offloading import LEVER, mode_problem, saved_bytes
 from memfit.levers.base import Room
 from memfit.levers.cure import Patient
 from memfit.plan.cost import ModelShape
@@ -66,6 +66,58 @@ def test_the_copies_cost_time_only_where_the_compute_does_not_hide_them() -> Non
     link = gpu.host_link_gbps * 1e9
     assert 0 < slow < 2 * saved_bytes(off_checkpointing, SHAPE, 8192) / link
     assert LEVER.time_words(on) and LEVER.time_words({}) is None
+
+
+def test_the_host_link_is_the_gpus_and_none_known_charges_nothing() -> None:
+    import dataclasses
+
+    from memfit.devices.catalog import DEFAULT_HOST_LINK_GBPS
+
+    gpu = find_gpu("h100")
+    off_checkpointing = {"activation_offloading": True, "precision": "bf16"}
+    slow = LEVER.micro_seconds(off_checkpointing, SHAPE, gpu, 8192)
+    # a slower link costs more: the GPU's own figure is the one used
+    slower = dataclasses.replace(gpu, host_link_gbps=gpu.host_link_gbps / 2)
+    assert LEVER.micro_seconds(off_checkpointing, SHAPE, slower, 8192) > slow
+    # a card the catalog builds without a link figure gets the catalog's one default
+    assert dataclasses.replace(gpu, host_link_gbps=0).host_link_gbps == DEFAULT_HOST_LINK_GBPS
+
+    class NoLink:
+        def flops_per_second(self, precision: str) -> float:
+            return gpu.flops_per_second(precision)
+
+    assert LEVER.micro_seconds(off_checkpointing, SHAPE, NoLink(), 8192) == 0.0
+
+
+def test_the_fused_losss_saved_gradients_cross_the_link_too() -> None:
+    """Liger's fused loss runs inside the model's forward with the head's weight, not through
+    the head module: TRL offloads the gradients it saves (the hidden states', tokens x hidden,
+    and the head weight's, vocab x hidden in the trained dtype) and brings them back."""
+    gpu = find_gpu("h100")
+    on = {"activation_offloading": True, "precision": "bf16", "gradient_checkpointing": True}
+    fused = {**on, "cross_entropy": "fused-linear"}
+    tokens = 8192
+    head = SHAPE.vocab * SHAPE.hidden * 4  # fp32 master weights: an fp32 gradient
+    assert saved_bytes(fused, SHAPE, tokens) == saved_bytes(on, SHAPE, tokens) + (
+        tokens * SHAPE.hidden * 2 + head
+    )
+    # pure 16-bit training: a 16-bit head gradient; LoRA: the head is frozen, no gradient
+    pure = {**fused, "weights_dtype": "bf16"}
+    assert saved_bytes(pure, SHAPE, tokens) == saved_bytes(fused, SHAPE, tokens) - head // 2
+    lora = {**fused, "lora_rank": 16}
+    assert saved_bytes(lora, SHAPE, tokens) == saved_bytes(on, SHAPE, tokens) + (
+        tokens * SHAPE.hidden * 2
+    )
+    # at few tokens the head's gradient is most of what crosses: more than the compute hides
+    assert LEVER.micro_seconds(on, SHAPE, gpu, 256) == 0.0
+    assert LEVER.micro_seconds(fused, SHAPE, gpu, 256) > 0.0
+
+
+def test_an_evaluation_refuses_it() -> None:
+    said = mode_problem({"activation_offloading": True}, "eval")
+    assert said is not None and "--activation-offloading" in said and "\n" not in said
+    assert mode_problem({"activation_offloading": True}, "train") is None
+    assert mode_problem({"activation_offloading": False}, "eval") is None
 
 
 def test_the_doctor_proposes_it_on_a_gpu_only() -> None:

@@ -141,3 +141,76 @@ def test_bad_input_is_one_clear_error(tiny_gpt2: str, kwargs: dict, message: str
     given = {"task": "causal-lm", "gpu_memory": "4GiB", **kwargs}
     with pytest.raises(UsageError, match=message):
         limits(tiny_gpt2, **given)
+
+
+def _host_stub(ranks_per_node: int | None) -> Any:
+    """A stand-in for an offloading estimate: 1 MiB of host memory per token of the micro-batch,
+    per rank, and (when given) how many ranks share the node's memory."""
+
+    def offloading(model: str, **kwargs: Any) -> Any:
+        result = estimate(model, **kwargs)
+        host: dict[str, Any] = {"total_bytes": kwargs["batch_size"] * kwargs["seq_len"] << 20}
+        if ranks_per_node is not None:
+            host["ranks_per_node"] = ranks_per_node
+        return dataclasses.replace(result, details={**result.details, "host": host})
+
+    return offloading
+
+
+def test_nothing_fits_by_host_memory_says_the_host_bytes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_gpt2: str
+) -> None:
+    monkeypatch.setattr(limits_module, "estimate", _host_stub(None))
+    code, out, _ = _run(
+        capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--gpu-memory", "4GiB",
+        "--host-memory", "4MiB",
+    )  # fmt: skip
+    assert code == 3
+    # 8 tokens keep 8 MiB in host memory: that is what is over, not the GPU peak
+    assert (
+        "nothing fits; micro-batch 1 at 8 tokens needs 8.00 MiB of the 4.00 MiB host memory." in out
+    )
+
+
+def test_the_host_budget_is_the_node_s_ranks_together(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_gpt2: str
+) -> None:
+    # four ranks on the node, 1 MiB per token each: 160 MiB holds 40 tokens, not 160
+    monkeypatch.setattr(limits_module, "estimate", _host_stub(4))
+    got = limits(tiny_gpt2, gpu_memory="4GiB", host_memory="160MiB", **JOB)
+    longest = got.max_seq_len
+    assert (longest.value, longest.bound, longest.host_bytes) == (40, "host-memory", 40 << 20)
+    assert longest.host_ranks == 4 and got.to_dict()["max_seq_len"]["host_ranks"] == 4
+    code, out, _ = _run(
+        capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--precision", "bf16",
+        "--gpu-memory", "4GiB", "--host-memory", "160MiB",
+    )  # fmt: skip
+    assert code == 0
+    assert "40 tokens (" in out and "40.00 MiB per rank (160.00 MiB for 4 ranks) in host" in out
+    # without ranks_per_node an estimate's figure is the node's own
+    monkeypatch.setattr(limits_module, "estimate", _host_stub(None))
+    assert (
+        limits(tiny_gpt2, gpu_memory="4GiB", host_memory="160MiB", **JOB).max_seq_len.value == 128
+    )
+
+
+@pytest.mark.slow
+def test_the_levers_named_are_the_levers_needed(tiny_gpt2: str) -> None:
+    from memfit.levers import LEVERS
+
+    budget = _peak(tiny_gpt2, 12, 64) + 1
+    got = limits(tiny_gpt2, seq_len=64, gpu_memory=budget, safety_margin=0, levers=True, **JOB)
+    assert got.levers is not None
+    named = 0
+    for name, answer in got.levers.items():
+        assert answer.value is not None
+        batch, length = (1, answer.value) if name == "max_seq_len" else (answer.value, 64)
+        assert _peak(tiny_gpt2, batch, length, **answer.settings) == answer.peak_bytes <= budget
+        for lever in LEVERS:
+            if not any(f in answer.settings for f in lever.fields):
+                continue
+            named += 1
+            # without it (the job's own values), the answer no longer fits: a direct estimate
+            rest = {k: v for k, v in answer.settings.items() if k not in lever.fields}
+            assert _peak(tiny_gpt2, batch, length, **rest) > budget, (name, lever.name)
+    assert named

@@ -73,3 +73,46 @@ def test_a_bad_host_budget_is_one_clear_error(tiny_gpt2: str) -> None:
         plan(
             tiny_gpt2, seq_len=64, effective_batch_size=1, gpu_memory="8GiB", host_memory="x", **JOB
         )
+
+
+def _stub_search(monkeypatch: pytest.MonkeyPatch, host: dict[str, Any], world_size: int) -> Any:
+    """A :class:`~memfit.plan.search.Search` whose estimates are a stub: 1 GiB on the GPU and
+    ``host`` as ``details["host"]`` (only the host bookkeeping is under test)."""
+    from types import SimpleNamespace
+
+    def stub(model: str, **kwargs: Any) -> Any:
+        details = {"model_state": {"total_bytes": 0}, "host": dict(host)}
+        return SimpleNamespace(total_bytes=1 << 30, details=details)
+
+    monkeypatch.setattr(search, "estimate", stub)
+    monkeypatch.setattr(search.Search, "estimate_kwargs", lambda self, knobs, micro: {})
+    job = object.__new__(search.Search)
+    for name, value in {
+        "model": "stub", "usable": 2 << 30, "host_budget": 300 * MiB, "world_size": world_size,
+        "_estimates": {}, "_hosts": {}, "_model_states": {},
+    }.items():  # fmt: skip
+        setattr(job, name, value)
+    return job
+
+
+def test_the_host_budget_holds_every_rank_of_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from memfit.plan import explain, planner
+
+    # 100 MiB a rank, four ranks on the node: 400 MiB of the 300 MiB host budget
+    job = _stub_search(monkeypatch, {"total_bytes": 100 * MiB, "ranks_per_node": 4}, 4)
+    assert job.host("k", 1) == 100 * MiB and job.host_ranks("k", 1) == 4
+    assert not job.fits("k", 1) and not job.host_fits("k", 1)
+    assert not planner._host_fits(job, "k")
+    chosen = SimpleNamespace(knobs="k", mini_batch_size=None, micro_batch_size=1)
+    result = SimpleNamespace(predicted_host_bytes=100 * MiB, chosen=chosen)
+    [line] = explain._host_lines(job, result)
+    assert line.startswith(
+        "Host memory: 100.00 MiB per rank (400.00 MiB for the node's 4 ranks) of the 300.00 MiB"
+    )
+    # without ranks_per_node the estimate's figure is the node's: one rank
+    job = _stub_search(monkeypatch, {"total_bytes": 100 * MiB}, 1)
+    assert job.fits("k", 1) and planner._host_fits(job, "k")
+    [line] = explain._host_lines(job, result)
+    assert line.startswith("Host memory: 100.00 MiB of the 300.00 MiB host budget")

@@ -5,6 +5,7 @@ emulation's rules (TRL's: what stays on the device, the forward stash of copies 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -24,12 +25,122 @@ class _Net(nn.Module):
         return self.lm_head(self.body(x))
 
 
-def test_which_implementation_runs_where() -> None:
-    assert offload.implementation("cuda", trl=True) == "trl"
-    assert offload.implementation("cuda", trl=False) == "save_on_cpu-pinned"
-    assert offload.implementation("cpu", trl=True) == "save_on_cpu"
+def test_which_implementation_runs_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    # on CUDA TRL's context whatever is installed here (a run without TRL is refused): the
+    # estimate of a CUDA step emulates TRL's rules on a machine without TRL too
+    monkeypatch.setattr(offload, "trl_available", lambda: False)
+    assert offload.implementation("cuda") == "trl"
+    assert offload.implementation("cpu") == "save_on_cpu"
     context = offload.offload_context(_Net(), "cpu")
     assert isinstance(context, torch.autograd.graph.save_on_cpu)
+
+
+def test_cuda_without_trl_is_refused_naming_the_flag_and_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(offload, "trl_available", lambda: False)
+    said = offload.missing("cuda")
+    assert said is not None
+    assert "--activation-offloading" in said and "pip install 'memfit[trl]'" in said
+    assert "\n" not in said
+    # the context itself never runs what the estimate does not price
+    with pytest.raises(offload.OffloadUnavailable):
+        offload.offload_context(_Net(), "cuda")
+    assert offload.missing("cpu") is None  # the CPU device needs no TRL
+    offload.require("cpu")
+
+
+def _trl_on_the_cpu(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> Any:
+    """TRL's own OffloadActivations (trl/models/activation_offloading.py, trl 1.16) on the CPU:
+    no streams, no pinning, every save offloaded; its enters and exits logged, and at each
+    attempt's first pack how many entries its tracker already held."""
+    trl = pytest.importorskip("trl.models.activation_offloading")
+    # TRL asks torch which accelerator it runs on (it has no CPU case): the CPU here
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu")
+    )
+    # bitsandbytes loaded (another test): TRL empties the device's cache on entry
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)
+
+    class Logged(trl.OffloadActivations):  # type: ignore[misc,name-defined]
+        def __enter__(self) -> Any:
+            log.append("enter")
+            entered = super().__enter__()
+            log.append(f"tracker {len(self.tracker)}")
+            return entered
+
+        def __exit__(self, *exc: Any) -> Any:
+            log.append("exit" if exc[0] is None else "exit after " + exc[0].__name__)
+            return super().__exit__(*exc)
+
+    return Logged(use_pin_memory=False, use_streams=False, min_offload_size=0)
+
+
+def test_each_guard_attempt_enters_and_exits_its_own_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An OOM in a micro-batch's backward (the cap's, at micro-batch 4) leaves saves in TRL's
+    tracker; the re-run at micro-batch 2 enters the context anew (its tracker cleared) for each
+    micro-batch, and nothing is left tracked after the step (#1 of the review: one entry around
+    the whole guard.step kept the failed attempt's tensors through the re-run)."""
+    from memfit.guard import Guard
+
+    log: list[str] = []
+    context = _trl_on_the_cpu(monkeypatch, log)
+    per = offload.PerMicroBatch(context)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3))
+    rows = [torch.randn(6) for _ in range(4)]
+
+    class Recipe:
+        splittable = True
+
+        def units(self, chunk: list[torch.Tensor]) -> int:
+            return len(chunk)
+
+        def loss(self, chunk: list[torch.Tensor], total: int, **_: Any) -> torch.Tensor:
+            out = model(torch.stack(chunk)).square().sum() / total
+            if len(chunk) > 2:
+                # out of memory in this micro-batch's backward, after the saves were packed
+
+                def fail(grad: torch.Tensor) -> torch.Tensor:
+                    raise torch.OutOfMemoryError("CUDA out of memory in backward")
+
+                out.register_hook(fail)
+            return out
+
+    guard = Guard(4, backward=per.backward(None))
+    try:
+        recipe: Any = Recipe()
+        guard.step(
+            rows, recipe, params=list(model.parameters()), autocast=per.autocast(_no_autocast)
+        )
+    finally:
+        per.close()
+    assert guard.micro_batch_size == 2
+    assert log == [
+        "enter", "tracker 0", "exit after OutOfMemoryError",  # the failed attempt
+        "enter", "tracker 0", "exit",  # the re-run's micro-batch 1
+        "enter", "tracker 0", "exit",  # micro-batch 2
+    ]  # fmt: skip
+    assert context.tracker == {}
+
+
+def test_a_failed_forward_exits_the_context_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    per = offload.PerMicroBatch(_trl_on_the_cpu(monkeypatch, log))
+    net = _Net()
+    with pytest.raises(torch.OutOfMemoryError), per.autocast(_no_autocast)():
+        net(torch.randn(4, 32, requires_grad=True))
+        raise torch.OutOfMemoryError("CUDA out of memory in forward")
+    per.close()  # exited already: nothing more
+    assert log == ["enter", "tracker 0", "exit after OutOfMemoryError"]
+
+
+def _no_autocast() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def test_the_cpu_context_gives_the_same_gradients() -> None:
@@ -125,7 +236,7 @@ def test_save_on_cpu_rules_copy_every_save_and_on_the_cpu_give_the_copy_back() -
         out.backward()
 
 
-@pytest.mark.parametrize("target", ["trl", "save_on_cpu-pinned"])
+@pytest.mark.parametrize("target", ["trl", "save_on_cpu"])
 def test_the_output_head_is_found_as_trl_finds_it(target: str) -> None:
     net = _Net()
     assert offload.output_head(net) is net.lm_head

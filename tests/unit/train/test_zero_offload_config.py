@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from memfit.train.optim import make_optimizer, offload_implementation
-from memfit.train.zero import build_config, config_problems, optimizer_offload_of
+from memfit.train.zero import (
+    build_config,
+    config_problems,
+    optimizer_offload_of,
+    resolve_optimizer_offload,
+)
 
 
 def _cfg(**knobs: object) -> SimpleNamespace:
@@ -89,3 +94,65 @@ def test_on_the_cpu_device_the_offloaded_step_is_torchs_fused_cpu_adamw() -> Non
         offload_implementation("cpu", zero=True, device=torch.device("cpu"))
     )
     assert offload_implementation(None, zero=False, device=torch.device("cpu")) is None
+
+
+def _offloading(tmp_path: Path, device: str = "cpu") -> str:
+    return _write(
+        tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": device}}}
+    )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw-8bit", "paged-adamw-32bit", "adafactor"])
+def test_a_file_that_offloads_refuses_what_zero_offload_does_not_step(
+    tmp_path: Path, optimizer: str
+) -> None:
+    # DeepSpeedCPUAdam would run in their place, silently
+    path = _offloading(tmp_path)
+    cfg = _cfg(deepspeed=path, optimizer_offload=None, optimizer=optimizer)
+    (line,) = resolve_optimizer_offload(cfg)
+    assert line.startswith(f"--deepspeed {path}: zero_optimization.offload_optimizer cpu:")
+    assert f"--optimizer {optimizer}" in line
+
+
+def test_a_file_that_offloads_makes_the_run_offloaded(tmp_path: Path) -> None:
+    # the plan and the estimate inside train price cfg.optimizer_offload: the file's
+    cfg = _cfg(deepspeed=_offloading(tmp_path), optimizer_offload=None, optimizer="adamw")
+    assert resolve_optimizer_offload(cfg) == []
+    assert cfg.optimizer_offload == "cpu"
+    off = _cfg(deepspeed=_offloading(tmp_path, "none"), optimizer_offload=None, optimizer="adamw")
+    assert resolve_optimizer_offload(off) == []
+    assert off.optimizer_offload == "none"
+    plain = _cfg(deepspeed=_write(tmp_path, {"zero_optimization": {"stage": 2}}), optimizer="sgd")
+    plain.optimizer_offload = None
+    assert resolve_optimizer_offload(plain) == []
+    assert plain.optimizer_offload is None
+
+
+@pytest.mark.parametrize(("flag", "device"), [("cpu", "none"), ("none", "cpu")])
+def test_the_flag_and_the_file_disagreeing_is_one_line(
+    tmp_path: Path, flag: str, device: str
+) -> None:
+    path = _offloading(tmp_path, device)
+    cfg = _cfg(deepspeed=path, optimizer_offload=flag, optimizer="adamw")
+    assert resolve_optimizer_offload(cfg) == [
+        f"--optimizer-offload {flag} but --deepspeed {path}: "
+        f'zero_optimization.offload_optimizer.device is "{device}"; make them agree (or leave '
+        "--optimizer-offload out)"
+    ]
+    assert cfg.optimizer_offload == flag
+
+
+def test_train_config_problems_say_the_files_offload(tmp_path: Path) -> None:
+    from memfit.train.config import TrainConfig
+    from memfit.train.config import config_problems as train_problems
+
+    path = _offloading(tmp_path, "none")
+    cfg = TrainConfig(
+        model="m",
+        task="causal-lm",
+        train_file=str(tmp_path / "t.jsonl"),
+        deepspeed=path,
+        optimizer_offload="cpu",
+        output_dir=str(tmp_path / "out"),
+    )
+    assert any(x.startswith("--optimizer-offload cpu but --deepspeed") for x in train_problems(cfg))
