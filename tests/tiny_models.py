@@ -12,6 +12,7 @@ gets the same weights as before, model after model.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,22 @@ def save_tiny_llama(
         torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
+
+
+# the words of the tiny Llama's vocabulary in the instruction and packing tests (save_tiny_llama
+# builds its tokenizer from them), and their rows' files
+SENTENCES = [
+    "what is two plus two",
+    "it is four",
+    "the cat sat on the mat",
+    "name a colour",
+    "blue is a colour",
+    "hello there how are you",
+    "i am fine thank you",
+]
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """``rows`` as a JSON-lines file at ``path``."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path

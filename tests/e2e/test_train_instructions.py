@@ -15,19 +15,10 @@ import pytest
 import torch
 from memfit_runs import offline_environment, train_command
 
-from tiny_models import CHAT_TEMPLATE, save_tiny_llama
+from tiny_models import CHAT_TEMPLATE, SENTENCES, save_tiny_llama, write_jsonl
 
 pytestmark = pytest.mark.slow  # end to end: `pytest -m "not slow"` leaves it out
 
-SENTENCES = [
-    "what is two plus two",
-    "it is four",
-    "the cat sat on the mat",
-    "name a colour",
-    "blue is a colour",
-    "hello there how are you",
-    "i am fine thank you",
-]
 PAIRS = [
     {"prompt": "what is two plus two", "completion": " it is four"},
     {"prompt": "name a colour", "completion": " blue"},
@@ -57,11 +48,6 @@ CHATS = [
     ],
 ]
 PLAIN_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
 
 
 def run(folder: Path, flags: dict[str, str | None]) -> subprocess.CompletedProcess[str]:

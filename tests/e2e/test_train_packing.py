@@ -10,24 +10,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from memfit_runs import offline_environment, train_command
 from safetensors.torch import load_file
 
-from tiny_models import save_tiny_llama
+from tiny_models import SENTENCES, save_tiny_llama, write_jsonl
 
-SENTENCES = [
-    "what is two plus two",
-    "it is four",
-    "the cat sat on the mat",
-    "name a colour",
-    "blue is a colour",
-    "hello there how are you",
-    "i am fine thank you",
-]
 PAIRS = [
     {"prompt": "what is two plus two", "completion": " it is four"},
     {"prompt": "name a colour", "completion": " blue"},
@@ -45,11 +35,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("llama")
     save_tiny_llama(folder, SENTENCES)
     return str(folder)
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
 
 
 def packed_flags(model: str, data: Path) -> dict[str, str | None]:

@@ -24,17 +24,8 @@ from memfit.data.instructions import (
     tokenize_prompt_completion,
 )
 from memfit.data.rows import Column, DataError, DataOptions, read_rows
-from tiny_models import CHAT_TEMPLATE, save_tiny_llama
+from tiny_models import CHAT_TEMPLATE, SENTENCES, save_tiny_llama
 
-SENTENCES = [
-    "what is two plus two",
-    "it is four",
-    "the cat sat on the mat",
-    "name a colour",
-    "blue is a colour",
-    "hello there how are you",
-    "i am fine thank you",
-]
 # the same rendering without the markers: the assistant turns are found from rendered prefixes
 PLAIN_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 CHATS = [

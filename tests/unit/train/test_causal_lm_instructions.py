@@ -18,17 +18,8 @@ from memfit.plan.data_profile import DataProfile
 from memfit.train.config import TrainConfig, config_problems
 from memfit.train.recipes import CausalLMRecipe
 from memfit.train.recipes.causal_lm import TARGETS, TOKENS
-from tiny_models import save_tiny_llama
+from tiny_models import SENTENCES, save_tiny_llama, write_jsonl
 
-SENTENCES = [
-    "what is two plus two",
-    "it is four",
-    "the cat sat on the mat",
-    "name a colour",
-    "blue is a colour",
-    "hello there how are you",
-    "i am fine thank you",
-]
 # completions of different lengths, each starting at a word (a space): the join splits no token
 PAIRS = [
     {"prompt": "what is two plus two", "completion": " it is four"},
@@ -68,11 +59,6 @@ def plain_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("plain-llama")
     save_tiny_llama(folder, SENTENCES, chat_template=None)
     return str(folder)
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
 
 
 def recipe_for(model: str, tmp_path: Path, *, skip: bool = False, **options: Any) -> CausalLMRecipe:

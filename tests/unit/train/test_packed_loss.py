@@ -5,7 +5,6 @@ whole step's gradient; instruction rows pack with bfd and are refused in wrapped
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +16,8 @@ from memfit.errors import UsageError
 from memfit.train.config import TrainConfig, config_problems
 from memfit.train.recipes import CausalLMRecipe
 from memfit.train.recipes.causal_lm import SEGMENTS, TARGETS, TOKENS
-from tiny_models import save_tiny_llama
+from tiny_models import SENTENCES, save_tiny_llama, write_jsonl
 
-SENTENCES = [
-    "what is two plus two",
-    "it is four",
-    "the cat sat on the mat",
-    "name a colour",
-    "blue is a colour",
-    "hello there how are you",
-    "i am fine thank you",
-]
 # the last text is longer than the text budget (24 tokens): truncated as an unpacked row is
 TEXTS = [
     {"text": t}
@@ -94,11 +84,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("llama")
     save_tiny_llama(folder, SENTENCES)
     return str(folder)
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return path
 
 
 def recipe_for(model: str, tmp_path: Path, budget: int, **options: Any) -> CausalLMRecipe:
