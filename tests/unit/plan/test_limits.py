@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from memfit.cli import main
+from cli_run import run_cli
 from memfit.errors import UsageError
 from memfit.estimate import estimate
 from memfit.plan import limits as limits_module
@@ -20,16 +20,6 @@ JOB = {"task": "causal-lm", "precision": "bf16"}
 
 def _peak(model: str, batch: int, length: int, **knobs: Any) -> int:
     return estimate(model, batch_size=batch, seq_len=length, **{**JOB, **knobs}).total_bytes
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.slow
@@ -54,7 +44,7 @@ def test_the_answers_fit_and_one_step_past_them_does_not(tiny_gpt2: str) -> None
 def test_the_positions_bound_the_length_and_json_keys_are_stable(
     capsys: pytest.CaptureFixture[str], tiny_gpt2: str
 ) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--gpu-memory", "4GiB",
         "--seq-len", "128", "--json",
     )  # fmt: skip
@@ -70,7 +60,7 @@ def test_the_positions_bound_the_length_and_json_keys_are_stable(
 def test_nothing_fits_exits_3_and_says_so(
     capsys: pytest.CaptureFixture[str], tiny_gpt2: str
 ) -> None:
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--gpu-memory", "64MiB",
         "--seq-len", "64",
     )  # fmt: skip
@@ -87,7 +77,7 @@ def test_levers_go_further_and_say_which(
     capsys: pytest.CaptureFixture[str], tiny_gpt2: str
 ) -> None:
     budget = _peak(tiny_gpt2, 12, 64) + 1
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--precision", "bf16",
         "--gpu-memory", str(budget), "--safety-margin", "0", "--seq-len", "64", "--levers",
     )  # fmt: skip
@@ -161,7 +151,7 @@ def test_nothing_fits_by_host_memory_says_the_host_bytes(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_gpt2: str
 ) -> None:
     monkeypatch.setattr(limits_module, "estimate", _host_stub(None))
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--gpu-memory", "4GiB",
         "--host-memory", "4MiB",
     )  # fmt: skip
@@ -181,7 +171,7 @@ def test_the_host_budget_is_the_node_s_ranks_together(
     longest = got.max_seq_len
     assert (longest.value, longest.bound, longest.host_bytes) == (40, "host-memory", 40 << 20)
     assert longest.host_ranks == 4 and got.to_dict()["max_seq_len"]["host_ranks"] == 4
-    code, out, _ = _run(
+    code, out, _ = run_cli(
         capsys, "limits", tiny_gpt2, "--task", "causal-lm", "--precision", "bf16",
         "--gpu-memory", "4GiB", "--host-memory", "160MiB",
     )  # fmt: skip
