@@ -11,6 +11,10 @@ order rotated from round to round, so that the machine's noise falls on all of t
 reports the median and the minimum of its runs. Two checks say when a figure is not what it
 claims: a warm run that writes to its cache (it missed, and traced) is flagged, and so is a
 checkout whose src/memfit changed during the measurement (measure frozen worktrees instead).
+
+Every figure is printed with what reproduces it: the bench's own command line (and, per job, the
+same line narrowed to that job), and each row's exact child command with the environment it ran
+in (`print_commands`). Bad arguments exit 2 with one line naming the flag, as memfit's own do.
 """
 
 from __future__ import annotations
@@ -122,8 +126,17 @@ JOBS: dict[str, Job] = {
         Job("gpt2-xl", "gpt2-xl", "causal-lm", 1, 1024, _BF16_CHECKPOINTING),
         Job("llama3-8b", "llama-3-8b", "causal-lm", 1, 2048, _LORA_16),
         Job("llama3-70b", "llama-3-70b", "causal-lm", 1, 2048, _LORA_16),
+        # the cold estimate `bench/plan_speed.py` holds the Llama-3.1-8B plans against: the plan's
+        # own job (16 × 2048, full fine-tuning, nothing pinned), not one of the plan's answers
+        Job("llama31-8b", "meta-llama/Llama-3.1-8B", "causal-lm", 16, 2048),
     )
 }
+
+
+def die(message: str) -> None:
+    """Bad arguments: the lines naming the flags on stderr, exit 2 (memfit's convention)."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
 
 
 def pick(names: str, known: Sequence[str], flag: str) -> list[str]:
@@ -131,7 +144,7 @@ def pick(names: str, known: Sequence[str], flag: str) -> list[str]:
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in known]
     if unknown:
-        sys.exit(f"{flag}: unknown {', '.join(unknown)}; choose from {','.join(known)}")
+        die(f"{flag}: unknown {', '.join(unknown)}; choose from {','.join(known)}")
     return chosen
 
 
@@ -233,7 +246,7 @@ def checkouts(args: argparse.Namespace) -> list[Checkout]:
     if args.skip_this_checkout and len(found) == 1:
         problems.append("--skip-this-checkout: give at least one --memfit-src LABEL=DIR to time")
     if problems:
-        sys.exit("\n".join(problems))
+        die("\n".join(problems))
     # columns read left to right: the compared checkouts, then this one
     return found[1:] + ([] if args.skip_this_checkout else found[:1])
 
@@ -253,6 +266,26 @@ def check_sources(sides: list[Checkout], digests: dict[str, str]) -> list[str]:
 
 def reproduce_line(script: str) -> str:
     return f"$ python bench/{script} " + shlex.join(sys.argv[1:])
+
+
+def rerun_line(script: str, **replace: str) -> str:
+    """This run's command line with some flags replaced (`jobs="bert"` → `--jobs bert`), to
+    reproduce one figure alone; every other flag (rounds, checkouts) kept as given but --json
+    (the rerun would overwrite this run's record)."""
+    flags = {"--" + name.replace("_", "-"): value for name, value in replace.items()}
+    kept: list[str] = []
+    argv = sys.argv[1:]
+    i = 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name in flags or name == "--json":
+            i += 1 if "=" in argv[i] else 2  # the flag and its value
+            continue
+        kept.append(argv[i])
+        i += 1
+    for flag, value in flags.items():
+        kept += [flag, value]
+    return f"python bench/{script} " + shlex.join(kept)
 
 
 # --- one timed process ---------------------------------------------------------------------------
@@ -404,6 +437,48 @@ class Cell:
             "warm_cache_misses": self.cache_misses,
             "failures": self.failures,
         }
+
+
+def command_text(command: list[str], env: dict[str, str], cache: str) -> str:
+    """`command` as a shell line, with the environment it runs in (what differs from this
+    process's, and the cache dir as `Cell.cache` sets it); run from an empty folder."""
+    changed = {
+        k: v
+        for k, v in env.items()
+        if (os.environ.get(k) != v or k.startswith("MEMFIT_")) and k != "MEMFIT_CACHE_DIR"
+    }
+    cache_dir = {
+        "cold": "$(mktemp -d)",
+        "warm": "DIR",  # see the note print_commands adds
+        "none": env.get("MEMFIT_CACHE_DIR"),
+    }[cache]
+    if cache_dir:
+        changed["MEMFIT_CACHE_DIR"] = cache_dir
+    # offline_env drops the caller's MEMFIT_ settings
+    unset = sorted(k for k in os.environ if k.startswith("MEMFIT_") and k not in changed)
+    words = [*(f"-u {k}" for k in unset)]
+    assignments = " ".join(
+        f"{k}={v if v.startswith('$(') else shlex.quote(v)}" for k, v in sorted(changed.items())
+    )
+    prefix = "env " + " ".join(words) + " " if words else ""
+    return f"{prefix}{assignments} {shlex.join(command)}".strip()
+
+
+def print_commands(cells: list[Cell]) -> None:
+    """Each row's command, once per checkout and cache setting (what reproduces its figure)."""
+    print("\nEach figure's command (run in a fresh process from an empty folder):")
+    seen: set[str] = set()
+    for cell in cells:
+        text = command_text(cell.command, cell.env, cell.cache)
+        if text in seen:
+            continue
+        seen.add(text)
+        print(f"  {cell.row} / {cell.column}:\n    $ {text}")
+    if any(c.cache == "warm" for c in cells):
+        print(
+            "  (warm: DIR is a MEMFIT_CACHE_DIR filled by one earlier run of the same command, "
+            "not counted; cold: a new empty dir for every run)"
+        )
 
 
 def run_cell(cell: Cell, scratch: Path, timeout_s: float) -> Run | None:
@@ -582,6 +657,12 @@ def print_machine(sides: list[Checkout]) -> dict[str, Any]:
 
 def deepspeed_importable() -> bool:
     return find_spec("deepspeed") is not None
+
+
+def print_load_end() -> None:
+    """The load average at the end: with the one printed first, how busy the machine was."""
+    one, five, fifteen = os.getloadavg()
+    print(f"\n# load average at the end: {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)")
 
 
 def write_json(path: str | None, script: str, payload: dict[str, Any]) -> None:

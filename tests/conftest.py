@@ -17,6 +17,8 @@ from tiny_models import gpt2_config, save_bert_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# nothing traced ahead in a background worker (tests that test it turn it on themselves)
+os.environ.setdefault("MEMFIT_NO_BACKGROUND", "1")
 # traces cached on disk go to one fresh folder per test session, shared by the pytest-xdist
 # workers (they inherit this process's environment) and the subprocesses the tests start: a model
 # one test traced is not traced again by another (cache files are written whole: os.replace)

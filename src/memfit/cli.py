@@ -245,12 +245,21 @@ def _quick_exit(code: int) -> None:
     os._exit(code)
 
 
+_NO_BACKGROUND = "MEMFIT_NO_BACKGROUND"  # memfit.estimate.background.OFF_VARIABLE
+
+
 def _main(argv: list[str] | None = None) -> Any:
     # transformers' advice for training scripts is noise for a planning tool
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # bitsandbytes (imported by peft for any LoRA run) warns at import, on CPUs with AVX512-BF16,
     # that an optional faster kernel package is missing: noise for every estimate and train
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # a command answers and exits: nothing is traced ahead in the background for later questions
+    # (memfit.estimate.background; the variable, not its off(), keeps torch out of start-up), and
+    # a caller of main() in a long-lived process gets its background back after
+    background_set_here = _NO_BACKGROUND not in os.environ
+    if background_set_here:
+        os.environ[_NO_BACKGROUND] = "1"
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="memfit", standalone_mode=False)
@@ -289,6 +298,9 @@ def _main(argv: list[str] | None = None) -> Any:
         if not is_user_os_error(exc):
             raise
         _fail(os_error_line(exc), 2)
+    finally:
+        if background_set_here:
+            os.environ.pop(_NO_BACKGROUND, None)
     return None
 
 

@@ -7,7 +7,9 @@ what is being done with ``progress.report("tracing 3 of 12 layers")``: the line 
 "memfit estimate gpt2: tracing 3 of 12 layers". ``report`` costs one global look-up when no status
 line is shown. A nested ``status`` block changes the text (keeping the subject unless it gives its
 own) and gives the outer one its text back when it ends; the line is erased when the outermost
-block ends.
+block ends. A block opened with ``steady=True`` keeps its text against ``report`` from the code
+inside it (a plan's "tracing 5 of up to 24 knob sets" is not replaced by each trace's layer
+count); its owner changes it with :func:`say`.
 
 The line is shown only where a person watches it:
 
@@ -55,6 +57,8 @@ class _Shown:
         self.stderr: TextIO = sys.stderr
         # [subject, text] of each status() block open, the innermost last
         self.levels = [[subject, message]]
+        # whether each level is steady (keeps its text against report())
+        self.steady = [False]
         self._lock = threading.Lock()
         # stderr=True, pinned to the stream of now: sys.stderr is the watcher below from here on
         self.console = Console(file=self.stderr, stderr=True)
@@ -185,6 +189,24 @@ def report(message: str) -> None:
     if shown is None:
         return
     level = shown.levels[-1]
+    if level[1] != message and not shown.steady[-1]:
+        level[1] = message
+        shown.show()
+
+
+def is_open() -> bool:
+    """Whether a :func:`status` block is open (a command's, shown or not): library code may
+    nest its own in it, but never opens a line where no command did."""
+    return _depth > 0
+
+
+def say(message: str) -> None:
+    """Set the innermost block's text, a ``steady`` one's too: for the code that opened it (from
+    any thread). A no-op when no status line is shown."""
+    shown = _shown
+    if shown is None:
+        return
+    level = shown.levels[-1]
     if level[1] != message:
         level[1] = message
         shown.show()
@@ -192,14 +214,19 @@ def report(message: str) -> None:
 
 @contextlib.contextmanager
 def status(
-    message: str, *, subject: str | None = None, end_on_output: bool = False
+    message: str,
+    *,
+    subject: str | None = None,
+    end_on_output: bool = False,
+    steady: bool = False,
 ) -> Iterator[None]:
     """Show ``subject: message`` with a spinner on stderr while the block runs (see the module).
 
     ``subject`` (say, the command and its model) stays while :func:`report` changes ``message``;
     a nested block keeps the outer one's subject unless it gives its own, and restores the outer
     one's text when it ends. ``end_on_output``: the first write to stderr (as well as stdout)
-    erases the line for good.
+    erases the line for good. ``steady``: :func:`report` from inside the block leaves its text
+    alone; :func:`say` changes it.
     """
     global _depth, _shown
     if _depth:
@@ -208,6 +235,7 @@ def status(
         if shown is not None:
             outer_subject = shown.levels[-1][0]
             shown.levels.append([outer_subject if subject is None else subject, message])
+            shown.steady.append(steady)
             shown.show(now=True)
         try:
             yield
@@ -215,6 +243,7 @@ def status(
             _depth -= 1
             if shown is not None:
                 shown.levels.pop()
+                shown.steady.pop()
                 shown.show(now=True)
         return
     _depth = 1
@@ -224,6 +253,7 @@ def status(
             return
         try:
             shown = _Shown(subject or "", message, end_on_output=end_on_output)
+            shown.steady[0] = steady
         except Exception:  # a terminal rich cannot drive: the command runs on without a line
             yield
             return

@@ -56,14 +56,18 @@ from memfit.estimate.step_trace import (
     StepTrace,
 )
 from memfit.estimate.workload import StepSpec
+from memfit.step import linear_ce
 
 FORMAT = 1
 # a trace file inflates to at most this much (a 48-layer model's is a few MB)
 MAX_BYTES = 256 * 2**20
-# the size formulas a trace may name (functions of sdpa_kernels, bound to plain arguments)
-FORMULAS = frozenset(
-    {"_split_kv_bytes", "_rounded_bytes", "_padded_mask_bytes", "_workspace_formula"}
-)
+# the size formulas a trace may name: functions of sdpa_kernels bound to plain arguments, and the
+# fused-linear loss's chunk slots (memfit.step.linear_ce.declared_chunks), a plain function
+_FUNCTIONS = {
+    name: getattr(sdpa_kernels, name)
+    for name in ("_split_kv_bytes", "_rounded_bytes", "_padded_mask_bytes", "_workspace_formula")
+} | {"slot_bytes": linear_ce.slot_bytes}
+FORMULAS = frozenset(_FUNCTIONS)
 
 
 class _NotData(Exception):
@@ -217,18 +221,15 @@ def _segment_data(seg: Segment) -> dict[str, Any]:
 
 
 def _formula_data(formula: Any) -> list[Any]:
-    function = getattr(formula, "func", None)
+    bound = isinstance(formula, functools.partial)
+    function = formula.func if bound else formula
     name = getattr(function, "__name__", None)
-    if (
-        not isinstance(formula, functools.partial)
-        or name not in FORMULAS
-        or getattr(sdpa_kernels, name, None) is not function
-    ):
+    if name not in _FUNCTIONS or _FUNCTIONS[name] is not function:
         raise _NotData(f"size formula {formula!r}")
     return [
         name,
-        [_plain(a) for a in formula.args],
-        {k: _plain(v) for k, v in formula.keywords.items()},
+        [_plain(a) for a in formula.args] if bound else [],
+        {k: _plain(v) for k, v in formula.keywords.items()} if bound else {},
     ]
 
 
@@ -327,7 +328,9 @@ def _formula_from(data: list[Any]) -> Any:
     name, args, keywords = data
     if name not in FORMULAS:
         raise ValueError(f"unknown size formula {name!r}")
-    function = getattr(sdpa_kernels, name)
+    function = _FUNCTIONS[name]
+    if not args and not keywords:
+        return function  # a plain function (written as one)
     return functools.partial(
         function, *(_unplain(a) for a in args), **{k: _unplain(v) for k, v in keywords.items()}
     )

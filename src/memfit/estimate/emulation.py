@@ -35,16 +35,6 @@ __all__ = ["EMULATED_DEVICE_TYPES", "autocast_excluded", "autocast_is_excluded",
 _SKIP_ONE_HOP: Callable[..., Any] | None = getattr(torch._C, "_skip_one_hop_torch_function", None)
 
 
-@contextlib.contextmanager
-def _mode_pushed(mode: TorchFunctionMode) -> Iterator[None]:
-    # The low-level push, not ``with mode:``, so that __enter__ (which resets state) is not re-run.
-    torch._C._push_on_torch_function_stack(mode)
-    try:
-        yield
-    finally:
-        torch._C._pop_torch_function_stack()
-
-
 def redispatch(
     mode: TorchFunctionMode,
     func: Any,
@@ -60,8 +50,13 @@ def redispatch(
     ``_skip_one_hop_torch_function`` (torch < 2.5) the body runs unseen.
     """
     if _SKIP_ONE_HOP is not None and isinstance(func, _pytypes.FunctionType):
-        with _mode_pushed(mode):
+        # the low-level push, not ``with mode:``, so that __enter__ (which resets state) is not
+        # re-run; spelled out, not a context manager: this runs for every Python function called
+        torch._C._push_on_torch_function_stack(mode)
+        try:
             return _SKIP_ONE_HOP(func, tuple(types), tuple(args), kwargs)
+        finally:
+            torch._C._pop_torch_function_stack()
     return func(*args, **kwargs)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -49,7 +49,11 @@ from memfit.estimate.step_trace import (
     take_size_hint,
 )
 from memfit.estimate.workload import StepSpec
-from memfit.step import offload
+from memfit.step import linear_ce, offload
+
+# the recorder's constants, looked up once: it runs for every op of a traced step
+_TRANSIENT = CAT["transient"]
+_OPTIMIZER_STEP = PHASE["optimizer_step"]
 
 
 class StorageRecorder(TorchDispatchMode):
@@ -73,6 +77,9 @@ class StorageRecorder(TorchDispatchMode):
         self.alloc_params: dict[int, int] = {}
         # global allocation id -> the parameter its inputs belong to (optimizer step only)
         self.origins: dict[int, int] = {}
+        # inside declaring(): declares each allocation's dims and size formula (the fused loss's
+        # chunks, memfit.step.linear_ce.declared_chunks)
+        self._declarer: Callable[[torch.Tensor, str], Any] | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------
     def set_phase(self, name: str) -> None:
@@ -94,20 +101,38 @@ class StorageRecorder(TorchDispatchMode):
             if alloc is not None:
                 self.alloc_params[alloc] = parameter_index
 
+    @contextlib.contextmanager
+    def declaring(self, declarer: Callable[[torch.Tensor, str], Any]) -> Iterator[None]:
+        """Inside, ``declarer(tensor, op)`` gives each allocation's (dims, formula), or None; a
+        declared allocation's size is its formula's (where the step's code allocates what a
+        shape of another size would not, a formula of no bytes)."""
+        previous, self._declarer = self._declarer, declarer
+        try:
+            yield
+        finally:
+            self._declarer = previous
+
     def alloc_id(self, tensor: torch.Tensor) -> int | None:
         return self._live.get(tensor.untyped_storage()._cdata)
 
-    def _track(self, tensor: torch.Tensor, category: int, op: str) -> None:
+    def _track(self, tensor: torch.Tensor, category: int, op: str) -> int:
+        """The allocation id of ``tensor``'s storage, recorded as a new allocation if unseen."""
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live:
-            return
+            return self._live[key]
         alloc = len(self.sizes)
         self._live[key] = alloc
         nbytes = int(storage.nbytes())
         itemsize = tensor.element_size()
         formula = None
         hint = take_size_hint()
+        own_op = False
+        if hint is None and self._declarer is not None:
+            hint = self._declarer(tensor, op)
+            if hint is not None:
+                # the same op whatever the shape: kept (sharding drops a weight_cast copy)
+                nbytes, own_op = hint[1](*hint[0]), True
         if hint is not None:
             dims, formula = hint
             self.shapes.append(dims)
@@ -121,15 +146,19 @@ class StorageRecorder(TorchDispatchMode):
         self.formulas.append(formula)
         self.sizes.append(nbytes)
         self.categories.append(category)
-        # a declared allocation may come from different ops (a placeholder or the real copy)
-        if take_host_mark():
-            op = HOST_OP  # an offloaded activation's host copy: counted apart by the replays
-        self.ops.append("declared" if formula is not None else op)
+        # a declared allocation may come from different ops (a placeholder or the real copy);
+        # an offloaded activation's host copy is one whatever its size says (the replays count
+        # host memory apart by this op, a formula-sized save's copy included)
+        host = take_host_mark()
+        if host:
+            op = HOST_OP
+        self.ops.append("declared" if formula is not None and not own_op and not host else op)
         self.phases.append(self.phase)
         self.events.append((ALLOC, alloc))
         # storages keep their Python object alive as long as the C++ storage lives, so this
         # fires exactly when the memory would be returned to the allocator
         weakref.finalize(storage, self._on_free, key, alloc)
+        return alloc
 
     def _on_free(self, key: int, alloc: int) -> None:
         if self._live.get(key) == alloc:
@@ -146,16 +175,19 @@ class StorageRecorder(TorchDispatchMode):
             # parameters instead, so the replay must be able to tell these apart
             op = "weight_cast"
         new: list[tuple[int, int]] = []  # (position among the outputs, allocation id)
-        for position, leaf in enumerate(tree_leaves(out)):
+        # most ops return one tensor: no pytree walk for those (the same leaves, in the same order)
+        leaves = (out,) if type(out) is FakeTensor else tree_leaves(out)
+        live = self._live
+        for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 # activations by default; settled to gradient / optimizer state / transient later
-                known = self.alloc_id(leaf)
-                self._track(leaf, CAT["transient"], op)
-                if known is None and (alloc := self.alloc_id(leaf)) is not None:
-                    new.append((position, alloc))
-                    if weight is not None:
-                        self.alloc_params[alloc] = weight
-        if new and self.phase == PHASE["optimizer_step"]:
+                if leaf.untyped_storage()._cdata in live:
+                    continue
+                alloc = self._track(leaf, _TRANSIENT, op)
+                new.append((position, alloc))
+                if weight is not None:
+                    self.alloc_params[alloc] = weight
+        if new and self.phase == _OPTIMIZER_STEP:
             self._link_origins(out, args, kwargs or {}, new)
         return out
 
@@ -207,11 +239,20 @@ def _no_gc() -> Iterator[None]:
     # step boundaries, never at the whim of the collector's thresholds
     enabled = gc.isenabled()
     gc.disable()
+    # what lives when the trace starts (torch's and transformers' modules) is set aside for its
+    # duration: the collection at its end walks only what the trace made, not the half a million
+    # objects imports left in the young generations (0.7 s of a cold bert estimate). They come
+    # back as the oldest generation, as if they had survived it.
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         if enabled:
             gc.enable()
+            # the trace's garbage (the fake model, its graphs) goes now: left young, the next
+            # trace would set it aside with the rest, into the oldest generation
+            gc.collect(0)
 
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -234,14 +275,16 @@ def trace_steps(
     is all of a step that depends on the shape. ``step_modes`` wraps each step in extra modes (the
     CUDA emulation); ``autocast`` wraps the forward.
     """
-    tracer = _Tracer.build(config, spec, autocast, step_modes, backward_modes)
-    recorder = tracer.recorder
-    steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
-    resident = len(recorder.sizes)
-    initial = list(range(resident))
-    steady: list[int] = []
-    first_optimizer_globals: list[int] = []
+    # the fake model is built inside too, and dropped before the collector runs again: the
+    # collection due then frees it (a web of cycles) with the rest of the trace's garbage
     with _no_gc():
+        tracer = _Tracer.build(config, spec, autocast, step_modes, backward_modes)
+        recorder = tracer.recorder
+        steps: list[tuple[tuple[int, int], Segment, Segment | None]] = []
+        resident = len(recorder.sizes)
+        initial = list(range(resident))
+        steady: list[int] = []
+        first_optimizer_globals: list[int] = []
         for index, (batch_size, seq_len) in enumerate(shapes):
             start = len(recorder.events)
             grad_ids = tracer.run(batch_size, seq_len, step_optimizer=index < optimizer_steps)
@@ -254,7 +297,9 @@ def trace_steps(
             steps.append(((batch_size, seq_len), fb, opt))
             # allocations of this step that survive it (optimizer state) are resident from now on
             resident = len(recorder.sizes)
-    return tracer.step_trace(steps, initial, steady, first_optimizer_globals)
+        trace = tracer.step_trace(steps, initial, steady, first_optimizer_globals)
+        del tracer, recorder
+    return trace
 
 
 @dataclass
@@ -341,7 +386,12 @@ class _Tracer:
         recorder, spec, model = self.recorder, self.spec, self.model
         grad_ids: set[int] = set()
         _count_tokens(self.offload, batch_size, seq_len)
-        with self.fake_mode, recorder, self.step_modes():
+        with (
+            self.fake_mode,
+            recorder,
+            self.step_modes(),
+            linear_ce.declared_chunks(recorder.declaring),
+        ):
             recorder.set_phase("setup")
             batch = workload.make_batch(self.config, spec, batch_size, seq_len)
             if not self.train:
@@ -444,7 +494,10 @@ def _offload_factory(
                 return torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
             return _storage_copy(recorder, tensor)
 
-    emulation = offload.OffloadEmulation(model, target, host_copy)
+    # a whole storage brought back is sized as its host copy was (by its formula where padded)
+    emulation = offload.OffloadEmulation(
+        model, target, host_copy, lambda host: _storage_copy(recorder, host)
+    )
     return lambda: emulation
 
 
@@ -467,11 +520,14 @@ def _storage_copy(recorder: StorageRecorder, tensor: torch.Tensor) -> torch.Tens
 def _count_tokens(offload_modes: Any, batch_size: int, seq_len: int) -> None:
     """Tell the offloading emulation the traced step's token dims (see
     :attr:`memfit.step.offload.OffloadEmulation.token_dims`): the sequence, the sequence less
-    the shifted token, and both times the batch."""
+    the shifted token, both times the batch, and the sequence rounded up to 32 (memory-efficient
+    attention's logsumexp, (B, H, round_up(S, 32)): with few heads it crosses 1 KiB at some
+    lengths of a batch of one, and its offloading may not change with the shape)."""
     emulation = offload_modes()
     if isinstance(emulation, offload.OffloadEmulation):
         dims = {seq_len, seq_len - 1}
-        emulation.token_dims = frozenset(dims | {batch_size * d for d in dims})
+        padded = -(-seq_len // 32) * 32
+        emulation.token_dims = frozenset(dims | {batch_size * d for d in dims} | {padded})
 
 
 def _register_residents(

@@ -6,6 +6,10 @@ kind of shape its fit does not cover is asked (a batch of one, a misaligned leng
 shape where the fit cannot be trusted. :func:`traced` keeps them per model and knobs in this
 process (and in the disk cache, :mod:`memfit.estimate.cache`); :func:`trace_model` chooses how deep
 to trace (:mod:`memfit.estimate.depth`).
+
+After the first trace of a model and knobs, the other kinds of shape are traced in the background
+on the machine's other core (:mod:`memfit.estimate.background`), so that a later batch of one or odd
+length is arithmetic too; :func:`trace_kinds` traces them all in this process (a plan's worker).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +31,7 @@ import torch
 from memfit import progress
 from memfit.devices.profiles import CudaProfile, cuda_profile
 from memfit.errors import UsageError
-from memfit.estimate import cache, workload
+from memfit.estimate import background, cache, workload
 from memfit.estimate import depth as depth_
 from memfit.estimate.cuda_modes import trace_modes
 from memfit.estimate.fit import FittedSegment, fit_trace, grid_shapes
@@ -36,15 +42,20 @@ from memfit.estimate.workload import StepSpec
 from memfit.step import offload
 
 __all__ = [
+    "KINDS",
     "NotTraced",
     "Traced",
     "clear_cache",
     "hidden_size",
     "only_cached",
     "save_traces",
+    "trace_kinds",
     "trace_model",
     "traced",
 ]
+
+# the kinds of shape with a fit of their own: (a batch of one, a length that is a multiple of 8)
+KINDS: tuple[tuple[bool, bool], ...] = ((False, True), (True, True), (False, False), (True, False))
 
 
 @dataclass
@@ -69,6 +80,9 @@ class Traced:
     _exact: dict[tuple[int, int], Traced] = field(default_factory=dict)
     _variants: dict[tuple[bool, bool], Traced] = field(default_factory=dict)
     _dirty: bool = True  # traced (or extended) since the disk cache last saw it
+    # its key in this process's traces (:func:`traced`), once its other kinds are traced in the
+    # background: the jobs' keys
+    _background_key: tuple[Any, ...] | None = None
 
     def changed(self) -> bool:
         """True when this trace or a variant of it is newer than the disk cache's copy."""
@@ -131,31 +145,28 @@ class Traced:
         key = (batch_size == 1, seq_len % 8 == 0)
         if key == self.home_key:
             return self
+        if key not in self._variants and self._background_key is not None:
+            _adopt(self)  # arrived from the background while the traces' lock was held
         if key not in self._variants:
             if _ONLY_CACHED.get():
                 raise NotTraced
-            started = time.perf_counter()
-            check, grid, second = grid_shapes(
-                self.max_positions, batch_size=1 if key[0] else None, aligned=key[1]
-            )
-            trace, depth = trace_model(
-                self.config, self.spec, [check, *grid, second], self.trace_depth
-            )
-            fitted = fit_trace(trace)
-            self._dirty = True
-            self._variants[key] = Traced(
-                self.config,
-                self.spec,
-                trace,
-                fitted,
-                self.profile,
-                time.perf_counter() - started,
-                "fitted" if fitted is not None else "exact-trace",
-                self.max_positions,
-                variant_key=key,
-                depth=depth,
-                trace_depth=self.trace_depth,
-            )
+            if self._background_key is not None:
+                # traced in the background now: waited for, never traced twice; not begun yet
+                # (or failed): traced here, as without it
+                background.wait_for((self._background_key, key))
+                _adopt(self)
+            if key not in self._variants:
+                variant = _trace_kind(
+                    self.config,
+                    self.spec,
+                    self.trace_depth,
+                    self.max_positions,
+                    self.profile,
+                    key,
+                )
+                with _LOCK:  # the background's results arrive under it too
+                    self._variants.setdefault(key, variant)
+                    self._dirty = True
         return self._variants[key]
 
     def _exact_trace(self, batch_size: int, seq_len: int) -> Traced:
@@ -185,6 +196,172 @@ class Traced:
         return self._exact[key]
 
 
+def _trace_kind(
+    config: Any,
+    spec: StepSpec,
+    trace_depth: str,
+    max_positions: int,
+    profile: CudaProfile,
+    key: tuple[bool, bool],
+    home: bool = False,
+) -> Traced:
+    """The fit of one kind of shape, from its own grid: a variant of a :class:`Traced`, or (with
+    ``home``) a first trace, whose home kind it is."""
+    started = time.perf_counter()
+    check, grid, second = grid_shapes(
+        max_positions, batch_size=1 if key[0] else None, aligned=key[1]
+    )
+    trace, depth = trace_model(config, spec, [check, *grid, second], trace_depth)
+    fitted = fit_trace(trace)
+    return Traced(
+        config,
+        spec,
+        trace,
+        fitted,
+        profile,
+        time.perf_counter() - started,
+        "fitted" if fitted is not None else "exact-trace",
+        max_positions,
+        variant_key=None if home else key,
+        home_key=key if home else (False, True),
+        depth=depth,
+        trace_depth=trace_depth,
+    )
+
+
+def _background_kind(*args: Any) -> Traced:
+    """:func:`_trace_kind` in the background's worker: the config stays home (it is the
+    caller's own object; pickling it back would be a copy)."""
+    variant = _trace_kind(*args)
+    variant.config = None
+    return variant
+
+
+_KIND_LABELS = {
+    (True, True): "the batch-1 shapes",
+    (False, False): "the sequence lengths that are no multiple of 8",
+    (True, False): "the batch-1 shapes of lengths that are no multiple of 8",
+    (False, True): "the shapes of batch 2 or more",
+}
+
+
+def _submit_kinds(
+    key: tuple[Any, ...],
+    config: Any,
+    spec: StepSpec,
+    trace_depth: str,
+    max_positions: int,
+    profile: CudaProfile,
+    home: tuple[bool, bool],
+    have: Any = (),
+) -> list[Any]:
+    """Trace the kinds of shape but ``home`` (and those in ``have``) in the background; the
+    jobs' keys (none where the background is off: :func:`background.enabled`)."""
+    if not background.enabled():
+        return []
+    submitted: list[Any] = []
+    # the kinds nearest the home one first: a batch of one (a plan's micro-batch 1), then the
+    # other lengths (a slider over lengths), then both
+    for kind in sorted(
+        (k for k in KINDS if k != home and k not in have),
+        key=lambda k: ((k[0] != home[0]) + (k[1] != home[1]), k[1] != home[1]),
+    ):
+        job_key = (key, kind)
+        job = background.submit(
+            job_key,
+            _KIND_LABELS[kind],
+            (__name__, "_background_kind"),
+            (config, spec, trace_depth, max_positions, profile, kind),
+            functools.partial(_arrived, key, kind),
+            # the model's code (transformers' modeling module: seconds to import)
+            preload=(type(config).__module__.replace(".configuration_", ".modeling_"),),
+        )
+        if job is not None:  # (None: a job of that key is known already, someone else's)
+            submitted.append(job_key)
+    return submitted
+
+
+def _start_background(entry: Traced, key: tuple[Any, ...]) -> None:
+    """The kinds of shape ``entry`` has no fit for, traced in the background (see the module)."""
+    if entry._background_key is None and entry.fitted is not None and entry.variant_key is None:
+        # (a model no grid fits has every shape traced on its own: nothing to trace ahead)
+        have = set(entry._variants)
+        args = (entry.spec, entry.trace_depth, entry.max_positions, entry.profile)
+        if _submit_kinds(key, entry.config, *args, entry.home_key, have):
+            entry._background_key = key
+    if entry._background_key is not None:
+        _adopt(entry)
+
+
+# kinds traced in the background that arrived while this process held the traces' lock (tracing
+# another model, or this one's first kind): taken in by the next to look (:func:`_adopt`)
+_ARRIVED: dict[tuple[Any, ...], Traced] = {}
+_ARRIVED_LOCK = threading.Lock()
+
+
+def _arrived(key: tuple[Any, ...], kind: tuple[bool, bool], variant: Traced) -> None:
+    """A kind traced in the background: into its trace's variants, marked for the disk cache
+    (written by this process's next estimate: :func:`save_traces`). In the background's thread:
+    nothing else here, while a trace may be running in this process (a collection would fire
+    the weak references of that trace's garbage at a random point of it; a save would read
+    traces being extended without the lock)."""
+    with _ARRIVED_LOCK:
+        _ARRIVED[(key, kind)] = variant
+    # never waiting for the lock: its holder may be waiting for this very job (:meth:`_variant`
+    # takes it in after the wait), and the background goes on with the next kind meanwhile
+    if not _LOCK.acquire(blocking=False):
+        return
+    try:
+        entry = _CACHE.get(key)
+        if entry is not None:
+            _adopt(entry)
+    finally:
+        _LOCK.release()
+
+
+def _adopt(entry: Traced) -> bool:
+    """Take in the kinds of ``entry`` that have arrived from the background (True if any)."""
+    key = entry._background_key
+    with _ARRIVED_LOCK:
+        kinds = [k for k in _ARRIVED if k[0] == key]
+        arrived = {kind: _ARRIVED.pop((key, kind)) for _, kind in kinds}
+    with _LOCK:
+        for kind, variant in arrived.items():
+            variant.config = entry.config
+            entry._variants.setdefault(kind, variant)
+            entry._dirty = True
+    return bool(arrived)
+
+
+def _after_fork_in_child() -> None:
+    # the background's thread may have held it: a forked child has no such thread
+    global _ARRIVED_LOCK
+    _ARRIVED_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def trace_kinds(
+    model_spec: Any,
+    spec: StepSpec,
+    trace_depth: str = "auto",
+    kinds: tuple[tuple[bool, bool], ...] = KINDS,
+) -> Traced:
+    """The traces of ``kinds`` of shape (:data:`KINDS`: the first is the home one), all traced in
+    this process and written to the disk cache: for a worker that traces ahead for a parent (a
+    plan asks micro-batch 1 as well as the per-rank batch), where the background is off."""
+    first = kinds[0] if kinds else KINDS[0]
+    with background.off():
+        entry = traced(model_spec, spec, trace_depth, (1 if first[0] else 2, 8 if first[1] else 7))
+    for kind in kinds:
+        entry._variant(1 if kind[0] else 2, 8 if kind[1] else 7)
+    if entry.changed():
+        save_traces()
+    return entry
+
+
 def hidden_size(config: Any) -> int:
     """The model's hidden size (DeepSpeed's bucket sizes follow it)."""
     for name in ("hidden_size", "n_embd", "d_model", "dim"):
@@ -208,7 +385,8 @@ def _identity_fit(trace: StepTrace) -> FittedSegment:
 
 
 _CACHE: dict[tuple[str, StepSpec, str], Traced] = {}
-_LOCK = threading.Lock()
+# reentrant: a variant's trace is kept under it, and a trace read from disk replays under it
+_LOCK = threading.RLock()
 
 
 def _disk_load(key: tuple[str, StepSpec, str], config: Any) -> Traced | None:
@@ -274,27 +452,29 @@ def traced(
         if key not in _CACHE and _ONLY_CACHED.get():
             raise NotTraced
         if key not in _CACHE:
-            started = time.perf_counter()
             home = (False, True) if shape is None else (shape[0] == 1, shape[1] % 8 == 0)
-            check, grid, second = grid_shapes(
-                model_spec.max_positions, batch_size=1 if home[0] else None, aligned=home[1]
-            )
-            trace, depth = trace_model(model_spec.config, spec, [check, *grid, second], trace_depth)
-            fitted = fit_trace(trace)
-            _CACHE[key] = Traced(
-                model_spec.config,
-                spec,
-                trace,
-                fitted,
-                cuda_profile(),
-                time.perf_counter() - started,
-                "fitted" if fitted is not None else "exact-trace",
-                model_spec.max_positions,
-                depth=depth,
-                trace_depth=trace_depth,
-                home_key=home,
-            )
-        return _CACHE[key]
+            profile = cuda_profile()
+            # on by default, for the Python API too: a process that asked one shape of a model
+            # asks others next (a notebook's next cell, a server's next request), each an answer the
+            # fit must give in milliseconds; the other kinds are traced on the other core while
+            # this one is (the worker's start, importing torch, is seconds: begun now, it is
+            # done by the time this trace is). Off with MEMFIT_NO_BACKGROUND=1 (which the CLI
+            # sets: a command exits after its answer), in a pool's workers, and on one core
+            # (:func:`background.enabled`)
+            args = (model_spec.config, spec, trace_depth, model_spec.max_positions, profile)
+            ahead = _submit_kinds(key, *args, home)
+            try:
+                _CACHE[key] = _trace_kind(*args, home, home=True)
+            except BaseException:
+                background.drop(ahead)  # the job's own problem: theirs would fail too
+                raise
+            if ahead:
+                _CACHE[key]._background_key = key
+        entry = _CACHE[key]
+        if not _ONLY_CACHED.get():
+            # read from disk without its other kinds: traced now (see above)
+            _start_background(entry, key)
+        return entry
 
 
 def trace_model(
@@ -362,5 +542,8 @@ def _run_trace(config: Any, spec: StepSpec, shapes: list[tuple[int, int]]) -> St
 
 def clear_cache() -> None:
     """Forget every trace (tests use it to time a first trace)."""
+    background.forget()
     with _LOCK:
         _CACHE.clear()
+    with _ARRIVED_LOCK:
+        _ARRIVED.clear()

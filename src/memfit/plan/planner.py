@@ -47,18 +47,26 @@ possible throughput (the whole per-rank batch at once) could beat the best found
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import os
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from memfit import levers, step
+from memfit import levers, progress, step
 from memfit.devices.catalog import ASSUMED_GPU, Gpu, catalog, detect_gpu, find_gpu
 from memfit.errors import UsageError
-from memfit.estimate import depth, workload
+from memfit.estimate import background, depth, workload
 from memfit.estimate.api import machine_memory_bytes
-from memfit.estimate.prefetch import prefetch
+from memfit.estimate.prefetch import (
+    MAX_WORKERS,
+    Ahead,
+    cache_enabled,
+    trace_seconds,
+    worth_workers,
+)
 from memfit.estimate.sharding import SCHEME_ORDER, SCHEMES
 from memfit.extras import problems as missing_packages
 from memfit.job import (
@@ -233,10 +241,7 @@ def plan(
         base_rank=job.lora_rank or 0,
         host_budget=host_budget,
     )
-    whole = trace_depth == "full" or depth.plan_depth(model_spec.config)[0] is None
-    if whole and not depth.few_layers(model_spec.config):
-        _prefetch(search, space)
-    chosen, evaluated, min_required = _search(search, space)
+    chosen, evaluated, min_required = _traced_ahead(search, space, model_spec.config)
     result = Plan(
         fits=chosen is not None,
         budget_bytes=budget,
@@ -502,38 +507,96 @@ def _resolve_budget(
     return budget, card, gpu_name, notes
 
 
-def _prefetch(search: Search, space: Space) -> None:
-    """Trace the knob sets the search starts with, and those of the least-memory check (at
-    micro-batch 1, which has its own trace), side by side, one worker per knob set.
+def _traced_ahead(
+    search: Search, space: Space, config: Any
+) -> tuple[Candidate | None, list[Candidate], int]:
+    """:func:`_search`, with the knob sets it will ask for traced ahead of it side by side
+    (:func:`prefetch`) and its progress on the command's status line: "tracing 5 of about 24 knob
+    sets, about 40 s left" (the tracer's own layer counts are kept off it)."""
+    line = progress.status("tracing", steady=True) if progress.is_open() else None
+    with line or contextlib.nullcontext():
+        ahead = Ahead(search.model, say=progress.say if line is not None else None)
+        # the first knob sets a search asks for: the least configurations at micro-batch 1
+        # (:func:`_min_required`), then the first round's at the whole per-rank batch
+        _expect_least(search, space, ahead)
+        combos = search.combos()
+        rounds = sorted({search.order(k) for k in combos})
+        if rounds:
+            _expect_round(search, combos, rounds[0], ahead)
+        few = search.trace_depth != "full" and depth.few_layers(config)
+        whole = search.trace_depth == "full" or depth.plan_depth(config)[0] is None
+        # measured (cold Llama-3.1-8B plan, LoRA and quantization allowed, shared 2-core
+        # machine): with a worker beside the main process 68-71 s, without 44 s; until the
+        # worker's traces pay there, only whole traces of deep models get workers
+        paying = whole and not few
+        ahead.seconds_per_kind = trace_seconds(config, 1, search.trace_depth) if paying else 0.0
+        try:
+            prefetch(search.model, ahead)
+            # a plan asks the shapes it needs itself: no other kind of shape traced ahead in
+            # the background for each knob set (it would take the core the plan's work needs)
+            with background.off():
+                return _search(search, space, ahead)
+        finally:
+            ahead.close()
 
-    Only whole-model traces of deep models are worth it: they take long enough to pay for a
-    worker process each; shallow ones (a few seconds) cost less than a worker's start (importing
-    torch and transformers), and so does the whole trace of a model with as few layers as a
-    shallow trace has (a test's 2-layer model: the planner's tests ran 55 s longer with them).
-    """
-    frugal = set(search.frugal())
-    first = [k for k in search.combos() if search.tier(k) == 0 and k not in frugal]
-    prefetch(
-        search.model,
-        [search.estimate_kwargs(k, 1) for k in sorted(frugal, key=repr)]
-        + [search.estimate_kwargs(k, search.per_rank) for k in first],
+
+def prefetch(model: str, ahead: Ahead) -> int:
+    """Start worker processes that trace ``ahead``'s knob sets beside the main process, when
+    they pay; returns how many started.
+
+    A worker pays when the traces expected take several times its start
+    (:func:`memfit.estimate.prefetch.worth_workers`): the deep models' whole traces, and the
+    shallow traces of every depth-extrapolated model when a plan needs many of them (an LLM's
+    plan with LoRA and quantization allowed: a few dozen). A model traced whole for having few
+    layers (a test's 2-layer model) never: the planner's tests ran 55 s longer with workers.
+    None when the disk cache is off (the workers' traces would have nowhere to go) or on one
+    core. One worker fewer than the cores: the main process traces too."""
+    cpus = os.cpu_count() or 1
+    if not cache_enabled() or cpus < 2:
+        return 0
+    if ahead.pending() < 2 or not worth_workers(ahead.expected_seconds()):
+        return 0
+    return ahead.start(min(cpus - 1, MAX_WORKERS))
+
+
+def _expect_least(search: Search, space: Space, ahead: Ahead) -> None:
+    for knobs in search.frugal(_without_last_resort(space)):
+        ahead.expect(knobs, [search.estimate_kwargs(knobs, 1)])
+
+
+def _expect_round(
+    search: Search, combos: Sequence[Levers], order: tuple[int, bool], ahead: Ahead
+) -> None:
+    """Expect the round ``order``'s knob sets, most promising first (the search's order), at
+    the whole per-rank batch (the first micro-batch it tries)."""
+    ahead.drop_untaken(lambda key: False)  # the rounds before: no longer expected
+    here = sorted(
+        (k for k in combos if search.order(k) == order),
+        key=lambda k: -search.speed(k, search.per_rank),
     )
+    for knobs in here:
+        ahead.expect(knobs, [search.estimate_kwargs(knobs, search.per_rank)])
 
 
-def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candidate], int]:
+def _search(
+    search: Search, space: Space, ahead: Ahead | None = None
+) -> tuple[Candidate | None, list[Candidate], int]:
     """The fastest configuration of the least harmful tier that fits (None: nothing fits), every
     configuration estimated on the way, and the least memory any allowed configuration needs.
 
     Each tier is searched in two rounds (:meth:`Search.order`): without a paged optimizer swap,
-    then with one; a round that fits ends the search."""
+    then with one; a round that fits ends the search. ``ahead``: told each knob set before it is
+    estimated (:meth:`Ahead.need`) and each round's before the round."""
     per_rank = search.per_rank
     combos = search.combos()
     micros = search.micro_batches()
     evaluated: list[Candidate] = []
     # the least any allowed configuration needs: when even that is over, skip the search
-    min_required, _ = _min_required(search, space)
+    min_required, _ = _min_required(search, space, ahead)
     rounds = sorted({search.order(k) for k in combos})
     for tier in rounds if min_required <= search.usable else []:
+        if ahead is not None and tier != rounds[0]:  # the first is expected from the start
+            _expect_round(search, combos, tier, ahead)
         tier_combos = [k for k in combos if search.order(k) == tier]
         # most promising first: the throughput each could reach with the whole batch at once
         tier_combos.sort(key=lambda k: -search.speed(k, per_rank))
@@ -548,6 +611,8 @@ def _search(search: Search, space: Space) -> tuple[Candidate | None, list[Candid
                 and search.speed(knobs, per_rank) <= best_here.predicted_samples_per_second
             ):
                 continue
+            if ahead is not None:
+                ahead.need(knobs)
             micro = search.largest_fitting(knobs, micros)
             if micro is not None:
                 evaluated.append(search.candidate(knobs, micro))
@@ -584,7 +649,7 @@ def _conclude(
         result.suggestions = suggest(search, result, space)
 
 
-def _min_required(search: Search, space: Space) -> tuple[int, str]:
+def _min_required(search: Search, space: Space, ahead: Ahead | None = None) -> tuple[int, str]:
     """The least memory any allowed configuration needs, and the precision that needs it: every
     lever at its most frugal, the smallest micro-batch, each precision and optimizer tried (which
     is smaller depends on the model: mixed precision halves activations but adds a half-precision
@@ -594,11 +659,18 @@ def _min_required(search: Search, space: Space) -> tuple[int, str]:
     are searched only when nothing fits without them, so the least is first found without them:
     when that fits, the plan never needs them, and tracing their configurations would only slow
     it down. Only when it does not are they priced too (``min_required_bytes`` then counts them);
-    a configuration over the host budget is no least."""
+    a configuration over the host budget is no least. ``ahead``: told each knob set before it
+    is estimated."""
+
+    def peak(knobs: Levers) -> int:
+        if ahead is not None:
+            ahead.need(knobs)
+        return search.peak(knobs, 1)
+
     plain = _without_last_resort(space)
-    least = {k: search.peak(k, 1) for k in search.frugal(plain)}
+    least = {k: peak(k) for k in search.frugal(plain)}
     if not least or min(least.values()) > search.usable:
-        least |= {k: search.peak(k, 1) for k in search.frugal()}
+        least |= {k: peak(k) for k in search.frugal()}
     within = {k: peak for k, peak in least.items() if _host_fits(search, k)}
     search.least = within or least
     need, precision = min((peak, k.precision) for k, peak in search.least.items())

@@ -51,18 +51,27 @@ compute none unless the input requires grad, so a head trained under a frozen bo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["chunk_rows", "fp32_out_accumulation", "implementation", "linear_cross_entropy"]
+__all__ = [
+    "chunk_rows",
+    "declared_chunks",
+    "fp32_out_accumulation",
+    "implementation",
+    "linear_cross_entropy",
+    "slot_bytes",
+]
 
 # a chunk's softmax is computed in row blocks of at most this fraction of its rows where it needs
 # an fp32 scratch copy (16-bit logits, softcap's derivative): each scratch block is then at most
@@ -71,6 +80,20 @@ _BLOCKS_PER_CHUNK = 16
 
 # set by the estimator (fp32_out_accumulation) when it traces a CUDA target on (fake) CPU tensors
 _OUT_DTYPE_ACCUMULATION: ContextVar[bool | None] = ContextVar("fp32_out_accumulation", default=None)
+
+# what declares a traced allocation's size (see declared_chunks): given the tensor just allocated
+# and the tracer's name for its op, its dims and the formula of its bytes, or None (undeclared)
+Declaration = tuple[tuple[int, ...], Callable[..., int]]
+Declarer = Callable[[torch.Tensor, str], "Declaration | None"]
+# set by the estimator (declared_chunks): enters a region whose allocations ``declarer`` declares
+_DECLARE: ContextVar[Callable[[Declarer], contextlib.AbstractContextManager[Any]] | None] = (
+    ContextVar("declared_chunks", default=None)
+)
+# the loss being traced declares its chunks' sizes (the slots of _chunk_starts): set by
+# linear_cross_entropy's forward for the duration of its loop
+_SLOTS: ContextVar[bool] = ContextVar("chunk_slots", default=False)
+# the tracer's name for autocast's low-precision copy of a parameter (the head's weight here)
+_WEIGHT_CAST = "weight_cast"
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -129,6 +152,118 @@ def fp32_out_accumulation(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _OUT_DTYPE_ACCUMULATION.reset(token)
+
+
+@contextlib.contextmanager
+def declared_chunks(
+    declare: Callable[[Declarer], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """While entered, a trace of the loss on fake tensors runs the same chunks, in the same
+    order, whatever the number of rows, and declares how each of their allocations' bytes follow
+    from the rows: the estimator then fits the loss over (batch size, sequence length) as it fits
+    the rest of the step, where a chunk's rows (a power of two) and the number of chunks are no
+    bilinear function of them.
+
+    The trace runs three slots (:func:`_chunk_starts`): the first chunk, the second and the last;
+    a slot the rows do not fill (one or two chunks) runs on no rows, its allocations declared
+    empty. ``declare(declarer)`` enters a region in which the tracer records each allocation with
+    the dims and size formula ``declarer(tensor, op)`` gives (:func:`slot_bytes`; the tracer's
+    op, ``"weight_cast"`` for autocast's copy of a parameter), or as it is where it gives None.
+    memfit's own row blocks of fp32 scratch (a CPU target's 16-bit or soft-capped logits) are not
+    covered: their number follows the chunk's rows, so each shape's trace stays its own."""
+    token = _DECLARE.set(declare)
+    try:
+        yield
+    finally:
+        _DECLARE.reset(token)
+
+
+# the traced slots of a declared loss: the first chunk, the second, the last (see _chunk_starts)
+_SLOT_COUNT = 3
+
+
+def _slot_start(rows: int, chunk: int, slot: int) -> int:
+    """The first row of ``slot`` (0, 1 or 2) of the traced loss; ``rows`` where it is empty."""
+    if slot == _SLOT_COUNT - 1:
+        count = _cdiv(rows, chunk)
+        return (count - 1) * chunk if count >= _SLOT_COUNT else rows
+    return min(slot * chunk, rows)
+
+
+def _slot_rows(rows: int, vocab: int, hidden: int, slot: int) -> int:
+    """How many rows ``slot`` of the traced loss computes (0: a slot the rows do not fill)."""
+    chunk = chunk_rows(rows, vocab, hidden)
+    start = _slot_start(rows, chunk, slot)
+    return min(start + chunk, rows) - start
+
+
+def slot_bytes(
+    rows: int, vocab: int, hidden: int, slot: int, itemsize: int, by_rows: int, *dims: int
+) -> int:
+    """The bytes of an allocation in ``slot`` of the traced loss over ``rows`` tokens (a
+    ``vocab`` × ``hidden`` head): ``dims`` times ``itemsize``, times the slot's rows where
+    ``by_rows`` (a tensor of the chunk's rows: logits, a row's loss), nothing in a slot the rows
+    do not fill. Every argument is constant or linear in the rows: the estimator's fit predicts
+    them for any shape."""
+    slot_rows = _slot_rows(rows, vocab, hidden, slot)
+    if slot_rows == 0:
+        return 0
+    return (slot_rows if by_rows else 1) * math.prod(dims) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotDeclarer:
+    """Declares the allocations of one slot of the traced loss (a :data:`Declarer`)."""
+
+    rows: int
+    vocab: int
+    hidden: int
+    slot: int
+    slot_rows: int
+
+    def __call__(self, tensor: torch.Tensor, op: str) -> Declaration | None:
+        shape = tuple(int(d) for d in tensor.shape)
+        # a tensor of the chunk's rows has them as one of its dims (first, or second where it
+        # is transposed: the logits' gradient cast for the head's); the head's copies and
+        # gradients (V × H, V) have none. Where the rows equal another dim, the bytes are the
+        # same whichever is read as the rows (only the dims differ: a traced shape's signature
+        # then differs, and the fit fails its check rather than err)
+        axis = (
+            None
+            if op == _WEIGHT_CAST
+            else next((i for i, d in enumerate(shape) if d == self.slot_rows), None)
+        )
+        dims: tuple[int, ...] = (self.rows, self.vocab, self.hidden, self.slot)
+        dims += (tensor.element_size(),)
+        if axis is None:
+            dims += (0, *shape)
+        else:
+            dims += (1, *shape[:axis], *shape[axis + 1 :])
+        if self.slot_rows and slot_bytes(*dims) != tensor.untyped_storage().nbytes():
+            return None  # not what the rule says (a view onto a larger storage): as it is
+        return dims, slot_bytes
+
+
+def _slot_declarers(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> Callable[[Declarer], contextlib.AbstractContextManager[Any]] | None:
+    """The estimator's ``declare`` (:func:`declared_chunks`) where this call of the loss is
+    traced with its chunks declared, else None (a real run; memfit's own row blocks)."""
+    declare = _DECLARE.get()
+    if declare is None or not isinstance(hidden, FakeTensor):
+        return None
+    if _OUT_DTYPE_ACCUMULATION.get() is None:
+        device_type = hidden.device.type
+        dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else torch.promote_types(hidden.dtype, weight.dtype)
+        )
+        if bias is not None:
+            dtype = torch.promote_types(dtype, bias.dtype)
+        if softcap is not None or dtype != torch.float32:
+            return None  # _log_softmax_'s row blocks: as many as the chunk's rows make
+    return declare
 
 
 def _accumulates_out_dtype(device: torch.device) -> bool:
@@ -243,37 +378,52 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if needs_grad and weight.requires_grad else None
         grad_bias = torch.zeros_like(bias) if needs_grad and bias is not None else None
         loss_1d = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
-        for start in _chunk_starts(hidden, rows, chunk):
+        # traced with the chunks declared (the estimator): three slots, whatever the rows
+        declare = _slot_declarers(hidden, weight, bias, softcap)
+        token = _SLOTS.set(declare is not None)
+        try:
+            starts = _chunk_starts(hidden, rows, chunk)
+        finally:
+            _SLOTS.reset(token)
+        for slot, start in enumerate(starts):
             end = min(start + chunk, rows)
-            hidden_chunk = hidden[start:end]
-            logits = hidden_chunk @ weight.t()
-            if bias is not None:
-                logits = logits + bias
-            target_chunk = targets[start:end]
-            ignored = target_chunk == ignore_index
-            index = target_chunk.masked_fill(ignored, 0).unsqueeze(1)
-            # the target's logit, before the logits are overwritten
-            target_logit = logits.gather(1, index).float().squeeze(1)
-            lse = _log_softmax_(logits, softcap, needs_grad)
-            if softcap is not None:
-                target_tanh = torch.tanh(target_logit / softcap)
-                target_logit = target_tanh * softcap
-            loss_1d[start:end] = (lse - target_logit).masked_fill_(ignored, 0.0)
-            if not needs_grad:
-                continue
-            # logits now holds softmax (times softcap's chain factor); the target's entry is
-            # recomputed in fp32 (softmax - 1 cancels in 16 bits), ignored rows are zero
-            target_grad = torch.exp(target_logit - lse) - 1.0
-            if softcap is not None:
-                target_grad = target_grad * (1.0 - target_tanh * target_tanh)
-            logits.scatter_(1, index, target_grad.unsqueeze(1).to(logits.dtype))
-            logits.masked_fill_(ignored.unsqueeze(1), 0.0)
-            grad_logits = logits
-            grad_input[start:end] = grad_logits @ weight
-            if grad_weight is not None:
-                _accumulate(grad_weight, grad_logits, hidden_chunk)
-            if grad_bias is not None:
-                torch.add(grad_bias, grad_logits.sum(dim=0), out=grad_bias)
+            declared: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if (
+                declare is not None
+                and slot < _SLOT_COUNT
+                and end - start == _slot_rows(rows, vocab, width, slot)
+            ):
+                declared = declare(_SlotDeclarer(rows, vocab, width, slot, end - start))
+            with declared:
+                hidden_chunk = hidden[start:end]
+                logits = hidden_chunk @ weight.t()
+                if bias is not None:
+                    logits = logits + bias
+                target_chunk = targets[start:end]
+                ignored = target_chunk == ignore_index
+                index = target_chunk.masked_fill(ignored, 0).unsqueeze(1)
+                # the target's logit, before the logits are overwritten
+                target_logit = logits.gather(1, index).float().squeeze(1)
+                lse = _log_softmax_(logits, softcap, needs_grad)
+                if softcap is not None:
+                    target_tanh = torch.tanh(target_logit / softcap)
+                    target_logit = target_tanh * softcap
+                loss_1d[start:end] = (lse - target_logit).masked_fill_(ignored, 0.0)
+                if not needs_grad:
+                    continue
+                # logits now holds softmax (times softcap's chain factor); the target's entry is
+                # recomputed in fp32 (softmax - 1 cancels in 16 bits), ignored rows are zero
+                target_grad = torch.exp(target_logit - lse) - 1.0
+                if softcap is not None:
+                    target_grad = target_grad * (1.0 - target_tanh * target_tanh)
+                logits.scatter_(1, index, target_grad.unsqueeze(1).to(logits.dtype))
+                logits.masked_fill_(ignored.unsqueeze(1), 0.0)
+                grad_logits = logits
+                grad_input[start:end] = grad_logits @ weight
+                if grad_weight is not None:
+                    _accumulate(grad_weight, grad_logits, hidden_chunk)
+                if grad_bias is not None:
+                    torch.add(grad_bias, grad_logits.sum(dim=0), out=grad_bias)
         ctx.save_for_backward(
             grad_input if needs_grad and hidden.requires_grad else None, grad_weight, grad_bias
         )
@@ -299,9 +449,18 @@ def _chunk_starts(hidden: torch.Tensor, rows: int, chunk: int) -> list[int]:
     second on). So on fake tensors, which hold no values (the estimator's trace), the first two
     chunks and the last, shorter one allocate what all of them do, at the same peak: the trace
     runs those, not the dozens a 128k-vocabulary head has (each chunk is ten or more traced ops,
-    and a plan traces the loss many times)."""
+    and a plan traces the loss many times).
+
+    Traced with the chunks declared (:func:`declared_chunks`), always three slots: the first
+    chunk, the second, the last (a full one where the chunks divide the rows, a third copy of
+    the second); a slot the rows do not fill starts at ``rows`` (no rows), after the real ones,
+    so the chunks that run, run as in the real loop."""
     starts = list(range(0, rows, chunk))
-    if isinstance(hidden, FakeTensor) and len(starts) > 3:
+    if not isinstance(hidden, FakeTensor):
+        return starts
+    if _SLOTS.get():
+        return [_slot_start(rows, chunk, slot) for slot in range(_SLOT_COUNT)]
+    if len(starts) > 3:
         return starts[:2] + ([starts[-1]] if rows % chunk else [])
     return starts
 

@@ -20,9 +20,10 @@ TRL's rules (``trl/models/activation_offloading.py``, trl 1.16, read for these f
 - A saved tensor stays on the device when it is smaller than ``min_offload_size`` (1024 bytes), a
   ``Parameter`` or buffer or any tensor on a parameter's storage, when its storage (pointer plus
   offset, and dtype) is already tracked by a tensor still in flight or kept (saved twice: the
-  later save keeps it), or when it is saved inside the output head's forward (a ``NoOpManager``
-  hooked on ``lm_head``: the head's input would come straight back) or inside a module whose name
-  says Liger.
+  later save keeps it; the emulation takes a freed storage's key to track nothing, as no trace
+  knows which block the caching allocator hands out again), or when it is saved inside the
+  output head's forward (a ``NoOpManager`` hooked on ``lm_head``: the head's input would come
+  straight back) or inside a module whose name says Liger.
 - An offloaded tensor that is a view with an offset, or not contiguous, is cloned first (a
   contiguous device copy); one with a broadcast (zero) stride copies its whole storage instead.
   Its host copy is ``empty_like`` in pinned memory (CUDA's caching host allocator rounds each
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +60,11 @@ lifetime is the host memory's (dropped: the host block is free again). Not ``who
 the tensor's own shape and dtype (emulating ``save_on_cpu`` on the CPU device it is what
 unpacking returns: the CPU's "host" is its memory); ``whole_storage``: any contiguous tensor
 holding the bytes of the tensor's storage (a broadcast tensor's copy)."""
+
+StorageBack = Callable[[torch.Tensor], torch.Tensor]
+"""The estimator's device copy of a whole-storage host copy, brought back: ``host`` → a contiguous
+tensor of the same bytes whose size the estimator records as it recorded the host copy's (a
+padded storage's size is no product of its dims: it fits by the storage's own formula)."""
 
 
 def trl_available() -> bool:
@@ -226,13 +233,22 @@ class OffloadEmulation(saved_tensors_hooks):
     ``model``: the traced model (its parameters and output head). ``target``: the implementation
     emulated (:func:`implementation`'s words). ``host_copy``: makes the host copy of an offloaded
     tensor (the estimator records it as host memory); the emulation holds it until the backward
-    takes the tensor back. Build it once per model (it hooks the output head) and enter it around
-    each forward and backward, as the run enters the real one.
+    takes the tensor back. ``storage_back``: the device copy of a whole storage's host copy (a
+    broadcast save brought back; ``torch.empty_like`` where not given). Build it once per model
+    (it hooks the output head) and enter it around each forward and backward, as the run enters
+    the real one.
     """
 
-    def __init__(self, model: nn.Module, target: str, host_copy: HostCopy) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        target: str,
+        host_copy: HostCopy,
+        storage_back: StorageBack | None = None,
+    ) -> None:
         self.trl = target == "trl"
         self.host_copy = host_copy
+        self.storage_back: StorageBack = storage_back or torch.empty_like
         # the model is held so that its parameters' storages stay theirs (an address freed
         # would be another tensor's)
         self.model = model
@@ -256,7 +272,9 @@ class OffloadEmulation(saved_tensors_hooks):
         self.tracker: dict[int, tuple[torch.Tensor | None, Any, Any]] = {}
         self.forward_stash: dict[int, torch.Tensor] = {}
         self.backward_stash: dict[int, torch.Tensor] = {}
-        self.storage_ids: dict[tuple[int, int, torch.dtype], int] = {}
+        # key -> the id that tracks it, and the storage the key was taken from (weakly: a key
+        # whose storage is gone tracks nothing, see ``_tracked``)
+        self.storage_ids: dict[tuple[int, int, torch.dtype], tuple[int, weakref.ref[Any]]] = {}
         self.id_storages: dict[int, tuple[int, int, torch.dtype]] = {}
         self.node: Any = None
         self.backward_started = False
@@ -286,14 +304,26 @@ class OffloadEmulation(saved_tensors_hooks):
         # so the storage object stands for it (alive while a tensor holds it, as the pointer is)
         return (int(tensor.untyped_storage()._cdata), int(tensor.storage_offset()), tensor.dtype)
 
-    def _track_key(self, key: tuple[int, int, torch.dtype], tensor_id: int) -> None:
-        self.storage_ids[key] = tensor_id
+    def _track_key(
+        self, key: tuple[int, int, torch.dtype], tensor_id: int, storage: torch.UntypedStorage
+    ) -> None:
+        self.storage_ids[key] = (tensor_id, weakref.ref(storage))
         self.id_storages[tensor_id] = key
 
     def _release_key(self, tensor_id: int) -> None:
         key = self.id_storages.pop(tensor_id, None)
-        if key is not None and self.storage_ids.get(key) == tensor_id:
+        if key is not None and self.storage_ids.get(key, (None,))[0] == tensor_id:
             del self.storage_ids[key]
+
+    def _tracked(self, key: tuple[int, int, torch.dtype], storage: torch.UntypedStorage) -> bool:
+        """Whether ``key`` is tracked for this very storage. A save whose original was cloned
+        tracks the original's key while the clone is stashed; once the original is freed, its
+        address may be another storage's (a fake storage's address is the host allocator's, not
+        the device's): that storage is no save in flight. TRL's device pointers can be taken
+        again too (the caching allocator hands a freed block out again), which no trace
+        predicts: the emulation takes a freed storage's key to track nothing."""
+        entry = self.storage_ids.get(key)
+        return entry is not None and entry[1]() is storage
 
     def _kept(self, tensor: torch.Tensor) -> bool:
         """Whether TRL leaves a saved tensor on the device (the rules in the module docstring)."""
@@ -313,11 +343,13 @@ class OffloadEmulation(saved_tensors_hooks):
         tensor_id = self.next_id
         if self.trl:
             key = self._storage_key(tensor)
-            if key in self.storage_ids or self._kept(tensor):
+            storage = tensor.untyped_storage()
+            in_flight = self._tracked(key, storage)
+            if in_flight or self._kept(tensor):
                 self.tracker[tensor_id] = (tensor, None, None)
-                if key in self.storage_ids:
+                if in_flight:
                     # the later save takes over the key (TRL's track_storage_key)
-                    self._track_key(key, tensor_id)
+                    self._track_key(key, tensor_id, storage)
                 return tensor_id
             broadcast = 0 in tensor.stride()
             if not broadcast and (not tensor.is_contiguous() or tensor.storage_offset() != 0):
@@ -351,7 +383,7 @@ class OffloadEmulation(saved_tensors_hooks):
         if self.trl:
             # the device tensor stays until its copy is taken to be done
             self.forward_stash[tensor_id] = tensor
-            self._track_key(key, tensor_id)
+            self._track_key(key, tensor_id, storage)
         return tensor_id
 
     # -- unpack ----------------------------------------------------------------------------------
@@ -406,13 +438,12 @@ class OffloadEmulation(saved_tensors_hooks):
             node.register_hook(after_node)
         return self.forward_stash[tensor_id] if not brought_back else self.backward_stash[tensor_id]
 
-    @staticmethod
-    def _restore(restore: Any, host: torch.Tensor) -> torch.Tensor:
+    def _restore(self, restore: Any, host: torch.Tensor) -> torch.Tensor:
         """The device tensor the copy back allocates (empty: the values do not matter)."""
         if restore[0] == "broadcast":
             # the storage comes back whole (a tensor like its host copy), the broadcast a view
             _, shape, stride, dtype = restore
-            flat = torch.empty_like(host).reshape(-1).view(torch.uint8).view(dtype)
+            flat = self.storage_back(host).reshape(-1).view(torch.uint8).view(dtype)
             return torch.as_strided(flat, shape, stride, 0)
         _, shape, stride, dtype = restore
         # the estimator's fake device stands for the target's

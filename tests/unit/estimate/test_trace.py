@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from memfit.estimate.fake_model import BackwardModes
+from memfit.estimate.trace import _no_gc
 
 
 class _Counting(TorchFunctionMode):
@@ -63,3 +66,44 @@ class _NoModes:
     def __exit__(self, *exc: object) -> None:
         for mode in reversed(self._popped):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def test_objects_alive_before_a_trace_are_not_walked_again_after_it() -> None:
+    # the collection due when a trace ends must walk only what the trace made: what lived before
+    # it (torch's and transformers' modules) comes back as the oldest generation, not the youngest
+    class Alive:
+        pass
+
+    enabled = gc.isenabled()
+    gc.disable()  # no collection may move the object on its own
+    try:
+        before = Alive()
+        assert any(o is before for o in gc.get_objects(0))
+        with _no_gc():
+            assert not gc.isenabled()
+        assert any(o is before for o in gc.get_objects(2))
+        assert gc.get_freeze_count() == 0  # nothing left frozen
+        assert not gc.isenabled()  # the caller's setting is kept
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_traces_garbage_is_collected_when_it_ends() -> None:
+    # left in the young generation, the next trace would set it aside with what lived before it
+
+    class Node:
+        other: Any = None
+
+    enabled = gc.isenabled()
+    gc.enable()
+    try:
+        with _no_gc():
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # a cycle: only the collector frees it
+            gone = weakref.ref(a)
+            del a, b
+        assert gone() is None
+    finally:
+        if not enabled:
+            gc.disable()

@@ -82,10 +82,12 @@ def _stub_search(monkeypatch: pytest.MonkeyPatch, host: dict[str, Any], world_si
 
     def stub(model: str, **kwargs: Any) -> Any:
         details = {"model_state": {"total_bytes": 0}, "host": dict(host)}
-        return SimpleNamespace(total_bytes=1 << 30, details=details)
+        breakdown = {"parameters": 0, "buffers": 0}  # no weights: no floor to skip by
+        return SimpleNamespace(total_bytes=1 << 30, details=details, breakdown=breakdown)
 
     monkeypatch.setattr(search, "estimate", stub)
     monkeypatch.setattr(search.Search, "estimate_kwargs", lambda self, knobs, micro: {})
+    monkeypatch.setattr(search.Search, "weights_key", lambda self, knobs: None)  # no floor
     job = object.__new__(search.Search)
     for name, value in {
         "model": "stub", "usable": 2 << 30, "host_budget": 300 * MiB, "world_size": world_size,

@@ -40,9 +40,10 @@ STATE = {
 
 
 class StatedEstimate:
-    def __init__(self, total: int, state: int) -> None:
+    def __init__(self, total: int, state: int, weights: int) -> None:
         self.total_bytes = total
         self.details = {"model_state": {"total_bytes": state}}
+        self.breakdown = {"parameters": weights, "buffers": 0}
 
 
 def stated_estimate(model: str, **kw: Any) -> StatedEstimate:
@@ -61,7 +62,7 @@ def stated_estimate(model: str, **kw: Any) -> StatedEstimate:
     tokens = rows * (kw.get("max_seq_len") or kw["seq_len"])
     per_token = (64 if kw["gradient_checkpointing"] else 256) * 1024
     activations = tokens * per_token * (0.6 if kw["precision"] != "fp32" else 1)
-    return StatedEstimate(int(weights + state + activations), int(weights + state))
+    return StatedEstimate(int(weights + state + activations), int(weights + state), int(weights))
 
 
 @pytest.fixture

@@ -345,13 +345,16 @@ STATE = {
 class FakeEstimate:
     total_bytes: int
     details: dict[str, Any]
+    breakdown: dict[str, int]
 
 
 def fake_estimate(model: str, **kwargs: Any) -> FakeEstimate:
     state = 2 * MiB if kwargs["lora_rank"] else STATE[kwargs["optimizer"]]
     rows = kwargs["batch_size"] * (10 if kwargs["gradient_checkpointing"] else 40) * MiB
-    held = WEIGHTS[kwargs.get("quantization") or "none"] + state
-    return FakeEstimate(held + rows, {"model_state": {"total_bytes": held}})
+    weights = WEIGHTS[kwargs.get("quantization") or "none"]
+    held = weights + state
+    breakdown = {"parameters": weights, "buffers": 0}
+    return FakeEstimate(held + rows, {"model_state": {"total_bytes": held}}, breakdown)
 
 
 @pytest.fixture

@@ -193,7 +193,12 @@ def _stand_in(monkeypatch: pytest.MonkeyPatch, peak: Any) -> list[dict[str, Any]
     def estimate(model: str, **kwargs: Any) -> Any:
         calls.append(kwargs)
         total = int(peak(kwargs))
-        return SimpleNamespace(total_bytes=total, details={"model_state": {"total_bytes": total}})
+        # no weights said apart: no floor to skip by
+        return SimpleNamespace(
+            total_bytes=total,
+            details={"model_state": {"total_bytes": total}},
+            breakdown={"parameters": 0, "buffers": 0},
+        )
 
     monkeypatch.setattr(search_module, "estimate", estimate)
     return calls

@@ -1,0 +1,153 @@
+"""``bench/plan_speed.py`` and ``bench/estimate_speed.py`` must measure what issue 34 asks.
+
+The benchmarks themselves take minutes (the lead runs them); these check, in milliseconds, what
+they are given and what they print: the jobs and targets, the shapes of every kind, the command
+lines that reproduce a figure, and bad arguments refused as memfit refuses them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # the scripts import _speed_common from beside them
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def plan_speed() -> ModuleType:
+    return _load("plan_speed")
+
+
+@pytest.fixture(scope="module")
+def estimate_speed() -> ModuleType:
+    return _load("estimate_speed")
+
+
+def test_plan_targets_are_the_issues(plan_speed: ModuleType) -> None:
+    assert plan_speed.PLAN_LIMIT == 2.0 and plan_speed.WARM_LIMIT_S == 1.0
+    targets = {name for name, job in plan_speed.PLAN_JOBS.items() if job.target}
+    assert targets == set(plan_speed.DEFAULT_JOBS)
+    args = plan_speed.PLAN_JOBS["llama31-8b-t4"].cli_args()
+    assert args[:8] == [
+        "meta-llama/Llama-3.1-8B",
+        "--task",
+        "causal-lm",
+        "--seq-len",
+        "2048",
+        "--effective-batch-size",
+        "16",
+        "--gpu",
+    ]
+    assert args[8:] == ["t4", "--allow", "lora,quantization", "--json"]
+    assert plan_speed.PLAN_JOBS["gpt2-medium-16gib"].cli_args()[-3:] == [
+        "--gpu-memory",
+        "16GiB",
+        "--json",
+    ]
+    # both 8B plans against the plan's own job: the effective batch at once, nothing pinned
+    estimate = plan_speed.JOBS[plan_speed.PLAN_JOBS["llama31-8b-t4-all"].estimate_job]
+    assert estimate.cli_args() == [
+        "meta-llama/Llama-3.1-8B",
+        "--task",
+        "causal-lm",
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "2048",
+    ]
+
+
+def test_every_lever_job_allows_every_lever(plan_speed: ModuleType) -> None:
+    # "every lever allowed" stays true when a lever is added to `memfit plan --allow`
+    from memfit.levers import ALLOWABLE
+
+    assert plan_speed.PLAN_JOBS["llama31-8b-t4-all"].allow == ALLOWABLE
+
+
+def test_estimate_targets_per_row(estimate_speed: ModuleType) -> None:
+    assert estimate_speed.COLD_LIMITS == {"bert": 1.0, "gpt2-xl": 1.0, "llama3-8b": 1.5}
+    assert estimate_speed.JOBS["llama3-8b"].api_kwargs()["lora_rank"] == 16
+
+
+@pytest.mark.parametrize("job", ["bert", "gpt2", "gpt2-xl"])
+def test_new_shapes_start_with_each_kind(estimate_speed: ModuleType, job: str) -> None:
+    es = estimate_speed
+    first = es.JOBS[job]
+    home = es.kind(first.batch_size, first.seq_len)
+    shapes = [list(s) for s in es.NEW_SHAPES]
+    firsts = es.first_of_each_kind(home, shapes)
+    # every other kind of shape is asked, batch 1 and odd lengths; none is the job's own shape
+    assert {es.kind(b, s) for b, s in firsts} == {
+        (True, True),
+        (False, False),
+        (True, False),
+        (False, True),
+    } - {home}
+    assert [first.batch_size, first.seq_len] not in shapes
+    if home == (False, True):
+        assert firsts == [[1, 128], [3, 123], [1, 77]]
+    assert all(s <= 512 for _, s in shapes)  # bert-base's longest
+
+
+def test_rerun_line_narrows_and_drops_json(
+    plan_speed: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["x", "--rounds", "2", "--json=out.json", "--jobs", "a,b", "--memfit-src", "b=/x"]
+    monkeypatch.setattr(sys, "argv", argv)
+    line = plan_speed.rerun_line("plan_speed.py", jobs="bert-t4", budget_jobs="")
+    assert line == (
+        "python bench/plan_speed.py --rounds 2 --memfit-src b=/x --jobs bert-t4 --budget-jobs ''"
+    )
+
+
+def test_command_text_says_the_environment(
+    plan_speed: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEMFIT_TRACE_DEPTH", "full")  # the caller's: not the child's
+    monkeypatch.delenv("MEMFIT_NO_BACKGROUND", raising=False)  # (the suite's own: see conftest)
+    env = plan_speed.Checkout("x", Path("/co")).env(None)
+    text = plan_speed.command_text(["python", "-m", "memfit", "plan", "a b"], env, "cold")
+    assert text.startswith("env -u MEMFIT_TRACE_DEPTH ")
+    assert "MEMFIT_CACHE_DIR=$(mktemp -d) " in text
+    assert "PYTHONPATH=/co/src" in text
+    assert text.endswith("python -m memfit plan 'a b'")
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "flag"),
+    [
+        ("plan_speed.py", ["--jobs", "nope"], "--jobs"),
+        ("estimate_speed.py", ["--shape-modes", "later"], "--shape-modes"),
+        ("estimate_speed.py", ["--rounds", "0"], "--rounds"),
+    ],
+)
+def test_bad_arguments_exit_2(script: str, args: list[str], flag: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(flag) and "Traceback" not in done.stderr
