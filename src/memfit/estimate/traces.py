@@ -14,6 +14,7 @@ length is arithmetic too; :func:`trace_kinds` traces them all in this process (a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import dataclasses
@@ -83,6 +84,9 @@ class Traced:
     # its key in this process's traces (:func:`traced`), once its other kinds are traced in the
     # background: the jobs' keys
     _background_key: tuple[Any, ...] | None = None
+    # kinds that arrived from the background and are not on disk yet: written when the process
+    # exits (:func:`_write_arrivals`), not by the next request (a write is up to a second there)
+    _unsaved_arrivals: bool = False
 
     def changed(self) -> bool:
         """True when this trace or a variant of it is newer than the disk cache's copy."""
@@ -91,6 +95,7 @@ class Traced:
 
     def mark_saved(self) -> None:
         self._dirty = False
+        self._unsaved_arrivals = False
         for t in [*self._variants.values(), *self._exact.values()]:
             t.mark_saved()
 
@@ -328,9 +333,30 @@ def _adopt(entry: Traced) -> bool:
     with _LOCK:
         for kind, variant in arrived.items():
             variant.config = entry.config
-            entry._variants.setdefault(kind, variant)
-            entry._dirty = True
+            if entry._variants.setdefault(kind, variant) is variant:
+                variant.mark_saved()  # not by the next request: at exit
+                entry._unsaved_arrivals = True
+        if arrived:
+            _write_arrivals_at_exit()
     return bool(arrived)
+
+
+_WRITE_AT_EXIT: list[bool] = []
+
+
+def _write_arrivals_at_exit() -> None:
+    if not _WRITE_AT_EXIT:
+        _WRITE_AT_EXIT.append(True)
+        atexit.register(_write_arrivals)
+
+
+def _write_arrivals() -> None:
+    """Write the traces whose kinds arrived from the background to the disk cache (at exit)."""
+    with _LOCK:
+        for entry in _CACHE.values():
+            if entry._unsaved_arrivals:
+                entry._dirty = True
+    save_traces()
 
 
 def _after_fork_in_child() -> None:

@@ -381,10 +381,10 @@ def test_an_arrived_kind_is_taken_in_without_saving_or_collecting(
     entry = _entry()
     entry._background_key, entry._dirty, entry.config = key, False, "the config"
     monkeypatch.setitem(traces._CACHE, key, entry)  # type: ignore[arg-type]
-    variant = SimpleNamespace(config=None)
+    variant = SimpleNamespace(config=None, mark_saved=lambda: None)
     traces._arrived(key, (True, True), variant)  # type: ignore[arg-type]
     assert entry._variants == {(True, True): variant} and variant.config == "the config"
-    assert entry._dirty and done == []
+    assert done == []
 
     # the lock held (by a trace, or by a request waiting for this very job): never waited for
     held, release = threading.Event(), threading.Event()
@@ -397,10 +397,37 @@ def test_an_arrived_kind_is_taken_in_without_saving_or_collecting(
     holder = threading.Thread(target=hold)
     holder.start()
     assert held.wait(10)
-    later = SimpleNamespace(config=None)
+    later = SimpleNamespace(config=None, mark_saved=lambda: None)
     traces._arrived(key, (False, False), later)  # type: ignore[arg-type]
     release.set()
     holder.join(10)
     assert (False, False) not in entry._variants
     assert traces._adopt(entry)  # the next to look takes it in
     assert entry._variants[(False, False)] is later and done == []
+
+
+def test_arrived_kinds_are_written_at_exit_not_by_the_next_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next estimate after kinds arrived writes nothing (a write of a deep model's traces
+    is up to a second on that request); the process's exit does."""
+    registered: list[Any] = []
+    monkeypatch.setattr(traces, "_WRITE_AT_EXIT", [])
+    monkeypatch.setattr(traces.atexit, "register", registered.append)
+    written: list[Any] = []
+    monkeypatch.setattr(traces.cache, "path_for", lambda key: "a path")
+    monkeypatch.setattr(traces.cache, "write", lambda path, entry, key: written.append(entry))
+    key = ("model", None, "auto")
+    entry = traces.Traced("the config", None, None, None, None, 0.0)  # type: ignore[arg-type]
+    entry._background_key = key
+    entry.mark_saved()
+    monkeypatch.setattr(traces, "_CACHE", {key: entry})
+    variant = traces.Traced(None, None, None, None, None, 0.0)  # type: ignore[arg-type]
+    traces._arrived(key, (True, True), variant)
+    assert entry._variants[(True, True)] is variant
+    assert not entry.changed()  # the next request's save_traces() writes nothing
+    traces.save_traces()
+    assert written == []
+    assert registered == [traces._write_arrivals]
+    traces._write_arrivals()  # at exit
+    assert written == [entry] and not entry.changed() and not entry._unsaved_arrivals
