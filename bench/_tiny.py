@@ -48,3 +48,37 @@ def save_bert_tokenizer(folder: Path, words: Sequence[str]) -> Any:
     if len(tokenizer) != len(vocab) or ids != expected:
         raise RuntimeError(f"the tiny tokenizer does not know its words: {ids} != {expected}")
     return tokenizer
+
+
+WORD_SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+
+
+def save_word_tokenizer(folder: Path, words: Sequence[str]) -> Any:
+    """A word-level tokenizer for a causal LM: ``<pad> <unk> <s> </s>`` then ``words`` (ids 4,
+    5, …), split on whitespace, BOS ``<s>`` before every text (as Llama's tokenizer does), EOS
+    ``</s>``, pad ``<pad>``; saved in ``folder`` as a ``PreTrainedTokenizerFast`` and read back.
+    One word is one token, so a text of N words is N + 1 tokens. Raises if the words do not
+    encode to their ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*WORD_SPECIALS, *words])}
+    wordlevel = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    wordlevel.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wordlevel.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=wordlevel,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    ).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sample = list(words)[:8]
+    ids = tokenizer(" ".join(sample))["input_ids"]
+    expected = [vocab["<s>"], *(vocab[w] for w in sample)]
+    if len(tokenizer) != len(vocab) or ids != expected:
+        raise RuntimeError(f"the word tokenizer does not know its words: {ids} != {expected}")
+    return tokenizer

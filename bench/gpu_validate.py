@@ -23,10 +23,27 @@ Usage::
     python bench/gpu_validate.py                       # default matrix: 45 cases, sized for < 9 min on an H100
     python bench/gpu_validate.py --quick               # 6 cases
     python bench/gpu_validate.py --qlora               # QLoRA steps (needs bitsandbytes), 8 cases
+    python bench/gpu_validate.py --new-knobs --out DIR --time-budget 170
+        # 16 cases of the levers since the last GPU run: QLoRA nf4/int8, 8-bit and paged
+        # optimizers, 16-bit bases and pure bf16, fused-linear cross-entropy (Liger on CUDA),
+        # activation offloading (TRL) and optimizer offload (torchao), round-robin by kind
+    python bench/gpu_validate.py --plans-only --out DIR --time-budget 80
+        # no estimator cases: three plans (bert-base, gpt2, LoRA on Qwen2.5-0.5B), each run for
+        # real under set_per_process_memory_fraction(budget); "fits" per plan
     python bench/gpu_validate.py --models gpt2 --precisions bf16 --limit 5
     python bench/gpu_validate.py --plan-check          # + memfit.plan against real runs under a budget
     python bench/gpu_validate.py --list                # print the cases, run nothing
     python bench/gpu_validate.py --smoke               # CPU-only self-test of every code path (CI)
+    python bench/gpu_validate.py --smoke --new-knobs   # ... of the --new-knobs path (tiny configs)
+    python bench/gpu_validate.py --smoke --plans-only  # ... of the --plans-only path (real planner)
+
+Each case's child is started ``--prefetch`` cases ahead (default 2): it imports and builds its
+model on the CPU, then waits until the previous child has exited before it touches the GPU (on
+the last H100 run a child spent 10-15 s before its first step). Offloading and the fused loss
+run what memfit train runs on CUDA: TRL's activation offloading context, torchao's
+CPUOffloadOptimizer, Liger Kernel's fused linear cross-entropy (memfit's own where liger-kernel
+does not import; the row's ``measured.implementations`` says which ran). A case that fails for an
+optional library's reason says so (``measured.library_problem``) and the run goes on.
 
 Only the standard library, torch, transformers, numpy and memfit (from this checkout's ``src/``)
 are imported; nothing is downloaded.
@@ -73,6 +90,9 @@ WARMUP_STEPS = 2
 SEED = 0
 DEFAULT_OUT = ROOT / "bench" / "results"
 DEFAULT_TIMEOUT_S = 300.0  # per child process
+# children preparing (imports, the model built on the CPU) while another measures: on the 16
+# cores of the GPU machines three at once stay below a core each
+DEFAULT_PREFETCH = 2
 DEFAULT_TIME_BUDGET_S = 500.0  # the whole run stays under 9 minutes even on a slow host
 STDERR_TAIL_CHARS = 3000
 # settings that change what the allocator or cuBLAS hold; memfit models the defaults, so the
@@ -141,6 +161,15 @@ class Case:
     lora_rank: int = 0
     quantization: str = "none"
     double_quant: bool = False
+    # the levers of "the job people run today" (memfit.job STEP_FIELDS): the dtype the weights are
+    # held in (auto: the checkpoint's for a frozen base, fp32 for trained ones; bf16: pure bf16),
+    # the token loss (fused-linear: Liger Kernel's on CUDA when liger-kernel imports), the saved
+    # activations in host memory (TRL's context on CUDA) and the optimizer's state in host memory
+    # (torchao's CPUOffloadOptimizer on CUDA)
+    weights_dtype: str = "auto"
+    cross_entropy: str = "standard"
+    activation_offloading: bool = False
+    optimizer_offload: str = "none"
 
     @property
     def label(self) -> str:
@@ -159,6 +188,14 @@ class Case:
             parts.append(f"lora{self.lora_rank}")
         if self.quantization != "none":
             parts.append(self.quantization + ("-dq" if self.double_quant else ""))
+        if self.weights_dtype != "auto":
+            parts.append("weights-" + self.weights_dtype)
+        if self.cross_entropy != "standard":
+            parts.append(self.cross_entropy)
+        if self.activation_offloading:
+            parts.append("act-offload")
+        if self.optimizer_offload != "none":
+            parts.append("opt-offload-" + self.optimizer_offload)
         return "/".join([*parts, f"b{self.batch_size}s{self.seq_len}"])
 
     def knobs(self) -> dict[str, Any]:
@@ -241,11 +278,143 @@ QLORA_CASES: tuple[Case, ...] = (
     Case("Qwen/Qwen2.5-0.5B", LM, 8, 512, "bf16", mode="eval", **QLORA),
 )
 
+# --new-knobs: the estimator on what changed since the last GPU run, one group per kind of lever,
+# interleaved round-robin (a run cut short still has some of each), the most informative case of
+# each group first. Sized for an H100: small embedded models (SmolLM2-135M, Qwen2.5-0.5B, gpt2, one
+# Llama-3.2-1B), short shapes, so that each child (import, build, 2 warm-up steps, 1 measured) takes
+# 6-10 s and the 16 cases about 150 s. Qwen2.5-0.5B's, SmolLM2's and Llama-3.2's configs say bf16,
+# so weights_dtype "auto" holds their frozen base in bf16 (LoRA adapters in fp32 over it); gpt2's
+# says nothing: fp32
+QWEN, SMOLLM, LLAMA = "Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M", "meta-llama/Llama-3.2-1B"
+LORA = {"lora_rank": 16}
+NEW_KNOB_GROUPS: tuple[tuple[str, tuple[Case, ...]], ...] = (
+    (
+        "qlora",
+        (
+            Case(QWEN, LM, 4, 512, "bf16", **QLORA),
+            Case(QWEN, LM, 4, 512, "bf16", **LORA, quantization="int8"),
+            Case(QWEN, LM, 4, 512, "bf16", **LORA, quantization="nf4", double_quant=False),
+        ),
+    ),
+    (
+        "8-bit and paged optimizers",
+        (
+            Case(SMOLLM, LM, 4, 512, "bf16", optimizer="paged-adamw-8bit"),
+            Case(SMOLLM, LM, 4, 512, "bf16", optimizer="adamw-8bit"),
+            Case(SMOLLM, LM, 4, 512, "bf16", optimizer="paged-adamw-32bit"),
+        ),
+    ),
+    (
+        "16-bit weights",
+        (
+            # pure bf16 full fine-tuning: weights, gradients and AdamW state in bf16
+            Case(SMOLLM, LM, 8, 512, "bf16", weights_dtype="bf16"),
+            # LoRA over the checkpoint's bf16 base (auto), then everything bf16 (adapters too)
+            Case(QWEN, LM, 4, 512, "bf16", **LORA),
+            Case(QWEN, LM, 4, 512, "bf16", **LORA, weights_dtype="bf16"),
+        ),
+    ),
+    (
+        "fused-linear cross-entropy",
+        (
+            # the job people run today: LoRA on a bf16 base, checkpointing, the fused loss
+            Case(
+                QWEN,
+                LM,
+                4,
+                1024,
+                "bf16",
+                gradient_checkpointing=True,
+                **LORA,
+                cross_entropy="fused-linear",
+            ),
+            Case(QWEN, LM, 4, 512, "bf16", **LORA, cross_entropy="fused-linear"),
+            Case(
+                LLAMA,
+                LM,
+                2,
+                1024,
+                "bf16",
+                gradient_checkpointing=True,
+                **LORA,
+                cross_entropy="fused-linear",
+            ),
+        ),
+    ),
+    (
+        "activation offloading",
+        (
+            Case(
+                QWEN,
+                LM,
+                4,
+                512,
+                "bf16",
+                gradient_checkpointing=True,
+                **LORA,
+                activation_offloading=True,
+            ),
+            Case(QWEN, LM, 4, 512, "bf16", **LORA, activation_offloading=True),
+        ),
+    ),
+    (
+        "optimizer offload",
+        (
+            Case(QWEN, LM, 4, 512, "bf16", optimizer_offload="cpu"),
+            Case("gpt2", LM, 4, 512, "fp32", optimizer_offload="cpu"),
+        ),
+    ),
+)
+# round-robin across the groups: the first case of every group, then the second, ...
+NEW_KNOB_CASES: tuple[Case, ...] = tuple(
+    cases[rank]
+    for rank in range(max(len(cases) for _, cases in NEW_KNOB_GROUPS))
+    for _, cases in NEW_KNOB_GROUPS
+    if rank < len(cases)
+)
+# what no H100 or H200 can measure, said in the header of every CUDA run
+NOT_MEASURABLE_HERE = (
+    "T4-class (sm75) kernels cannot be measured on this GPU: without flash attention SDPA runs the "
+    "memory-efficient kernel there (memfit's sdpa_sm=75 emulation), and cuBLAS/cuDNN pick other "
+    "workspaces; an sm80+ GPU such as an H100 or H200 only measures the flash-attention path"
+)
+
 # --plan-check: (model, task, seq_len) × budgets, effective batch 64
 PLAN_MODELS: tuple[tuple[str, str, int], ...] = (("bert-base-uncased", CLS, 256), ("gpt2", LM, 512))
 PLAN_BUDGETS_GIB: tuple[int, ...] = (6, 10, 16)
 PLAN_EFFECTIVE_BATCH = 64
 PLAN_OPTIMIZER_STEPS = 3
+
+# --plans-only: three plans under a hard cap, each run for real (PLAN_OPTIMIZER_STEPS optimizer
+# steps) under set_per_process_memory_fraction(budget). A plan check is (model, task, seq_len,
+# budget, the plan's keywords); the keywords pin what the plan need not search (offloading, the
+# weights' dtype, the precision; the fused loss for the LoRA job) so that each plan traces a few
+# knob sets (seconds, not the minutes of a full search on a small host CPU), and the budgets are
+# below what micro-batch = effective batch needs, so that every plan changes something
+# (micro-batch and accumulation, checkpointing)
+PLAN_PINS: dict[str, Any] = {
+    "precision": "bf16",
+    "weights_dtype": "auto",
+    "activation_offloading": False,
+    "optimizer_offload": "none",
+}
+PLANS_ONLY: tuple[tuple[str, str, int, int, dict[str, Any]], ...] = (
+    ("bert-base-uncased", CLS, 256, 4 * GiB, {"effective_batch_size": 64, **PLAN_PINS}),
+    (
+        "gpt2",
+        LM,
+        512,
+        5 * GiB,
+        {"effective_batch_size": 32, "cross_entropy": "standard", **PLAN_PINS},
+    ),
+    (
+        QWEN,
+        LM,
+        512,
+        3 * GiB,
+        {"effective_batch_size": 32, "lora_rank": 16, "cross_entropy": "fused-linear", **PLAN_PINS},
+    ),
+)
 
 
 def _round_robin(groups: Sequence[Sequence[Case]]) -> list[Case]:
@@ -267,7 +436,11 @@ def select_cases(args: argparse.Namespace) -> list[Case]:
     """The cases the flags ask for: the matrix or --quick, filtered by --models/--precisions, --limit."""
     models = _canonical_models(args.models)
     precisions = args.precisions or list(DEFAULT_PRECISIONS)
-    if args.qlora:
+    if args.plans_only:
+        cases = []
+    elif args.new_knobs:
+        cases = [c for c in NEW_KNOB_CASES if c.precision in precisions]
+    elif args.qlora:
         cases = [c for c in QLORA_CASES if c.precision in precisions]
     elif args.quick:
         cases = [c for c in QUICK_CASES if c.precision in precisions]
@@ -287,7 +460,11 @@ def _canonical_models(names: Sequence[str] | None) -> set[str] | None:
     from memfit.errors import UsageError
     from memfit.models import resolve_model
 
-    known = {m.name for m in MATRIX_MODELS}
+    known = (
+        {m.name for m in MATRIX_MODELS}
+        | {c.model for c in (*QLORA_CASES, *NEW_KNOB_CASES)}
+        | {check[0] for check in PLANS_ONLY}
+    )
     chosen: set[str] = set()
     for name in names:
         try:
@@ -417,6 +594,7 @@ class DeviceProbe:
         self.cuda = device == "cuda"
         # before CUDA is initialised: what the device already holds (other processes)
         self.gpus_before = smi_gpus() if self.cuda else None
+        self.apps_before = smi_apps() if self.cuda else None
         self.gpu: dict[str, Any] | None = None
         self.total = 0
         self.used_after_init = 0
@@ -483,6 +661,25 @@ class DeviceProbe:
             same_gpu = [a for a in apps if gpu_uuid is None or _uuid_hex(a["gpu_uuid"]) == gpu_uuid]
             own = next((a["used_bytes"] for a in same_gpu if a["pid"] == os.getpid()), None)
             others = sum(a["used_bytes"] or 0 for a in same_gpu if a["pid"] != os.getpid())
+        # another process that changed its device memory during this one's run (a child
+        # started ahead that touched CUDA while preparing) makes the device-wide figure wrong:
+        # nvidia-smi's own per-process figure is this process's alone
+        others_before = None
+        if self.apps_before is not None and apps is not None:
+            gpu_uuid = None if self.gpu is None else _uuid_hex(self.gpu["uuid"])
+            others_before = sum(
+                a["used_bytes"] or 0
+                for a in self.apps_before
+                if a["pid"] != os.getpid()
+                and (gpu_uuid is None or _uuid_hex(a["gpu_uuid"]) == gpu_uuid)
+            )
+        if (
+            others_before is not None
+            and others is not None
+            and own is not None
+            and abs(others - others_before) > 16 * MiB
+        ):
+            context, method = own - reserved_end, "nvidia-smi per process (others changed)"
         memory_stats = torch.cuda.memory_stats()
         return {
             **stats,
@@ -493,6 +690,7 @@ class DeviceProbe:
             "context_smi_bytes": None if own is None else own - reserved_end,
             "smi_process_used_bytes": own,
             "smi_other_processes_bytes": others,
+            "smi_other_processes_before_bytes": others_before,
             "device_total_bytes": int(total),
             "device_used_before_bytes": before,
             "device_used_after_init_bytes": self.used_after_init,
@@ -531,6 +729,10 @@ def _spec_for(request: Mapping[str, Any]) -> Any:
         lora_rank=request.get("lora_rank") or None,
         quantization=request.get("quantization", "none"),
         double_quant=bool(request.get("double_quant", False)),
+        weights_dtype=request.get("weights_dtype", "auto"),
+        cross_entropy=request.get("cross_entropy", "standard"),
+        activation_offloading=bool(request.get("activation_offloading", False)),
+        optimizer_offload=request.get("optimizer_offload", "none"),
     )
     spec, problems = validate(job, mode=request["mode"])
     if problems:
@@ -548,14 +750,105 @@ def child_main(request: dict[str, Any]) -> int:
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
         }
+        library = library_problem(exc)
+        if library is not None:
+            result["library_problem"] = library
     print(RESULT_MARKER + json.dumps(result), flush=True)
     return 0
+
+
+# the optional packages a lever runs on CUDA (memfit's extras); a child that fails importing one, or
+# refused by memfit for lacking one, failed for a library reason, not for the estimate
+LEVER_PACKAGES = ("bitsandbytes", "liger_kernel", "trl", "torchao", "triton", "peft")
+
+
+def library_problem(exc: BaseException) -> str | None:
+    """A line saying which optional library a failure came from, or None for any other failure."""
+    if isinstance(exc, ImportError):
+        return f"import failed: {type(exc).__name__}: {exc}"
+    text = str(exc)
+    if type(exc).__name__ == "OffloadUnavailable" or "pip install" in text:
+        return f"memfit refused a missing package: {text}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [
+        package
+        for package in LEVER_PACKAGES
+        if frames and f"{os.sep}{package}{os.sep}" in frames[-1].filename
+    ]
+    if inside:
+        return f"raised inside {inside[0]}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def lever_implementations(spec: Any, device: str) -> dict[str, Any]:
+    """What runs each lever of this step here, read before the step (the row records it): Liger's
+    fused loss or memfit's own, TRL's offloading context, torchao's offloaded optimizer."""
+    from memfit.step import linear_ce, offload
+
+    out: dict[str, Any] = {}
+    if spec.cross_entropy == "fused-linear":
+        liger = linear_ce._liger_function() if device == "cuda" else None
+        out["cross_entropy"] = (
+            "liger-kernel"
+            if liger is not None
+            else "memfit torch implementation"
+            + (
+                f" (liger-kernel did not import: {_import_problem('liger_kernel.transformers.functional')})"
+                if device == "cuda"
+                else ""
+            )
+        )
+    if spec.activation_offloading:
+        out["activation_offloading"] = offload.implementation(device)
+    if spec.optimizer_offload != "none":
+        out["optimizer_offload"] = (
+            "torchao CPUOffloadOptimizer" if device == "cuda" else "none (cpu device)"
+        )
+    return out
+
+
+def _import_problem(module: str) -> str:
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "imports now"
+
+
+def make_step_optimizer(spec: Any, model: Any, device: str) -> Any:
+    """The optimizer memfit trains with: the estimator's workload's (torch's foreach AdamW,
+    bitsandbytes' 8-bit and paged ones) and, for ``--optimizer-offload cpu`` on CUDA, memfit
+    train's own torchao ``CPUOffloadOptimizer`` (the workload's is the estimator's stand-in)."""
+    import torch
+
+    from memfit.estimate import workload
+
+    if spec.optimizer_offload == "cpu" and device == "cuda":
+        from memfit.train.optim import make_optimizer
+
+        return make_optimizer(
+            spec.optimizer, model, 1e-5, 0.0, offload="cpu", device=torch.device(device)
+        )
+    return workload.make_optimizer(spec.optimizer, model, device, offload=spec.optimizer_offload)
+
+
+def make_offload(spec: Any, model: Any, device: str) -> Callable[[], Any]:
+    """The activation offloading context factory a training step enters (TRL's on CUDA, built
+    once and entered for each micro-batch as memfit train does); a null context without it."""
+    if not spec.activation_offloading or spec.mode != "train":
+        return contextlib.nullcontext
+    from memfit.step import offload
+
+    context = offload.offload_context(model, device)
+    return lambda: context
 
 
 def _child_run(request: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     device = request["device"]
-    probe = DeviceProbe(device)  # nvidia-smi baseline before torch touches the GPU
+    prepare_first = bool(request.get("prepare_first"))
+    # nvidia-smi baseline before torch touches the GPU (a prepared child reads it after "go")
+    probe = None if prepare_first else DeviceProbe(device)
 
     import torch
 
@@ -563,20 +856,39 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
     from memfit.models import resolve_model
 
     oom_error: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    spec = _spec_for(request)
+    config = resolve_model(request["model"]).config
+    timings: dict[str, float] = {"import_s": time.perf_counter() - started}
+    model = None
+    if prepare_first:
+        # started ahead while another child measures: import and build on the CPU (nothing on
+        # the device), then wait for the parent's "go", sent once no other child holds the GPU
+        t = time.perf_counter()
+        torch.manual_seed(SEED)
+        model = workload.build_model(config, spec)
+        timings["cpu_build_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if sys.stdin.readline().strip() != "go":
+            return {"status": "cancelled", "error": "the parent sent no go", "timings": timings}
+        timings["waited_s"] = time.perf_counter() - t
+        probe = DeviceProbe(device)
+    assert probe is not None
+    t = time.perf_counter()
     probe.init()
+    timings["cuda_init_s"] = time.perf_counter() - t
     if request.get("memory_fraction") is not None and device == "cuda":
         torch.cuda.set_per_process_memory_fraction(float(request["memory_fraction"]))
-    spec = _spec_for(request)
-    torch.manual_seed(SEED)
-    config = resolve_model(request["model"]).config
-    timings: dict[str, float] = {"init_s": time.perf_counter() - started}
+    timings["init_s"] = time.perf_counter() - started
     phase = "build"
     try:
         t = time.perf_counter()
-        model = workload.build_model(config, spec).to(device)
-        optimizer = (
-            workload.make_optimizer(spec.optimizer, model, device) if spec.mode == "train" else None
-        )
+        implementations = lever_implementations(spec, device)
+        if model is None:
+            torch.manual_seed(SEED)
+            model = workload.build_model(config, spec)
+        model = model.to(device)
+        optimizer = make_step_optimizer(spec, model, device) if spec.mode == "train" else None
+        offload = make_offload(spec, model, device)
         autocast = workload.default_autocast(spec, device)
         scaler = workload.make_scaler(spec, device, fake=False)
         timings["build_s"] = time.perf_counter() - t
@@ -589,7 +901,7 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
                 workload.eval_step(model, batch, spec, autocast=autocast)
             else:
                 workload.training_step(
-                    model, batch, spec, optimizer, scaler=scaler, autocast=autocast
+                    model, batch, spec, optimizer, scaler=scaler, autocast=autocast, offload=offload
                 )
             del batch
 
@@ -597,10 +909,15 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
             phase = "plan-run"
             t = time.perf_counter()
             assert optimizer is not None, "a plan check trains"
-            _accumulated_steps(request, config, spec, model, optimizer, scaler, autocast)
+            _accumulated_steps(request, config, spec, model, optimizer, scaler, autocast, offload)
             probe.synchronize()
             timings["run_s"] = time.perf_counter() - t
-            return {"status": "ok", "stats": probe.final(), "timings": timings}
+            return {
+                "status": "ok",
+                "stats": probe.final(),
+                "timings": timings,
+                "implementations": implementations,
+            }
 
         phase = "warmup"
         t = time.perf_counter()
@@ -618,7 +935,12 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
         stats = probe.final()
         stats["warmup_allocated_peak_bytes"] = warm["allocated_peak_bytes"]
         stats["warmup_reserved_peak_bytes"] = warm["reserved_peak_bytes"]
-        return {"status": "ok", "stats": stats, "timings": timings}
+        return {
+            "status": "ok",
+            "stats": stats,
+            "timings": timings,
+            "implementations": implementations,
+        }
     except oom_error as exc:
         return {
             "status": "oom",
@@ -637,8 +959,11 @@ def _accumulated_steps(
     optimizer: Any,
     scaler: Any,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    offload: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
-    """A plan's run: optimizer steps of ``accumulation_steps`` micro-batches each."""
+    """A plan's run: optimizer steps of ``accumulation_steps`` micro-batches each (each
+    micro-batch's forward and backward inside the activation offloading context, as memfit
+    train enters it)."""
     from memfit.estimate import workload
 
     device = request["device"]
@@ -647,14 +972,17 @@ def _accumulated_steps(
     for _ in range(int(request.get("optimizer_steps", PLAN_OPTIMIZER_STEPS))):
         if accumulation == 1:
             batch = workload.make_batch(config, spec, micro, seq_len, device=device)
-            workload.training_step(model, batch, spec, optimizer, scaler=scaler, autocast=autocast)
+            workload.training_step(
+                model, batch, spec, optimizer, scaler=scaler, autocast=autocast, offload=offload
+            )
             del batch
             continue
         for _ in range(accumulation):
             batch = workload.make_batch(config, spec, micro, seq_len, device=device)
-            with autocast():
-                loss = workload.compute_loss(model, batch, spec) / accumulation
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with offload():
+                with autocast():
+                    loss = workload.compute_loss(model, batch, spec) / accumulation
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss, batch
         if scaler is not None:
             scaler.step(optimizer)
@@ -701,19 +1029,104 @@ def run_child(request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             "stderr_tail": _tail(exc.stderr),
             "child_seconds": round(time.perf_counter() - started, 2),
         }
+    result = _parse_child(done.stdout, done.stderr, done.returncode)
+    result["child_seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+class ChildPool:
+    """The cases' children, each started up to ``depth`` cases ahead of its turn: it imports
+    torch, transformers and memfit and builds its model on the CPU (the 10-15 s a child spent
+    before its first step on an H100), then waits for "go", which it gets only once the previous
+    child has exited, so that one process at a time touches the GPU. ``depth`` 0: each child
+    starts at its turn (as :func:`run_child`)."""
+
+    def __init__(self, requests: Sequence[dict[str, Any]], depth: int) -> None:
+        self.requests = [{**r, "prepare_first": depth > 0} for r in requests]
+        self.depth = max(0, depth)
+        self.children: dict[int, tuple[subprocess.Popen[str], Any, Any, float]] = {}
+        self.folder = tempfile.TemporaryDirectory(prefix="memfit-gpu-validate-children-")
+
+    def _start(self, index: int) -> None:
+        if index in self.children or index >= len(self.requests):
+            return
+        out = open(Path(self.folder.name) / f"{index}.out", "w+", encoding="utf-8")  # noqa: SIM115
+        err = open(Path(self.folder.name) / f"{index}.err", "w+", encoding="utf-8")  # noqa: SIM115
+        process = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--case", json.dumps(self.requests[index])],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=child_env(),
+            cwd=str(ROOT),
+            start_new_session=True,
+        )
+        self.children[index] = (process, out, err, time.perf_counter())
+
+    def start_ahead(self, index: int) -> None:
+        """Starts case ``index``'s child and, when preparing ahead, the next ``depth``."""
+        for ahead in range(index, index + (self.depth + 1 if self.depth else 1)):
+            self._start(ahead)
+
+    def run(self, index: int, timeout_s: float) -> dict[str, Any]:
+        """Case ``index``'s result (never raises); starts the next ``depth`` children first."""
+        self.start_ahead(index)
+        process, out, err, spawned = self.children.pop(index)
+        started = time.perf_counter()
+        try:
+            if self.depth and process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.stdin.write("go\n")
+                    process.stdin.flush()
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill(process)
+            out.seek(0), err.seek(0)
+            result = {
+                "status": "timeout",
+                "error": f"no result within {timeout_s:.0f} s of its turn",
+                "stderr_tail": _tail(err.read()),
+            }
+        else:
+            out.seek(0), err.seek(0)
+            result = _parse_child(out.read(), err.read(), process.returncode)
+        finally:
+            with contextlib.suppress(OSError):
+                if process.stdin is not None:
+                    process.stdin.close()
+            out.close(), err.close()
+        result["child_seconds"] = round(time.perf_counter() - started, 2)
+        result["child_seconds_with_preparation"] = round(time.perf_counter() - spawned, 2)
+        return result
+
+    def close(self) -> None:
+        """Stop the children started ahead that will not get their turn."""
+        for process, out, err, _ in self.children.values():
+            _kill(process)
+            out.close(), err.close()
+        self.children.clear()
+        self.folder.cleanup()
+
+
+def _kill(process: subprocess.Popen[str]) -> None:
+    """Ends a child this script started, and what it started (its own process group)."""
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, 9)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
+
+
+def _parse_child(stdout: str, stderr: str, returncode: int | None) -> dict[str, Any]:
     result: dict[str, Any] | None = None
-    for line in reversed(done.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
             result = json.loads(line[len(RESULT_MARKER) :])
             break
     if result is None:
-        result = {
-            "status": "error",
-            "error": f"the child exited with {done.returncode} and no result",
-        }
+        result = {"status": "error", "error": f"the child exited with {returncode} and no result"}
     if result["status"] == "error":
-        result["stderr_tail"] = _tail(done.stderr)
-    result["child_seconds"] = round(time.perf_counter() - started, 2)
+        result["stderr_tail"] = _tail(stderr)
     return result
 
 
@@ -739,6 +1152,13 @@ def estimate_case(case: Case, device: str) -> tuple[dict[str, Any] | None, str |
         "num_parameters": details.get("num_parameters"),
         "trace_seconds": details.get("trace_seconds"),
         "estimate_seconds": details.get("estimate_seconds"),
+        # the levers' own details: what lives outside the device's total (paged optimizer state in
+        # CUDA unified memory; offloaded activations and optimizer state in host memory), the
+        # weights' dtypes and the fused loss's implementation and chunks
+        "paged_optimizer_state_bytes": details.get("paged_optimizer_state_bytes"),
+        "host": details.get("host"),
+        "weights": details.get("weights"),
+        "cross_entropy": details.get("cross_entropy"),
     }, None
 
 
@@ -772,9 +1192,11 @@ def make_row(
     }
     if status == "ok":
         measured["total_bytes"] = measured["reserved_peak_bytes"] + measured["context_bytes"]
-    for key in ("oom_phase", "error", "traceback", "stderr_tail"):
+    for key in ("oom_phase", "error", "traceback", "stderr_tail", "library_problem"):
         if child.get(key):
             measured[key] = child[key]
+    # what ran each lever in the child (Liger or memfit's loss, TRL, torchao)
+    measured["implementations"] = child.get("implementations", {})
     if estimated is not None:
         estimated = dict(estimated)
         estimated["fits_device"] = (
@@ -816,6 +1238,8 @@ def summarize(rows: Sequence[Mapping[str, Any]], planned: int) -> dict[str, Any]
         "oom_predicted": sum(bool(r.get("oom_predicted")) for r in rows),
         "errors": sum(r["status"] in ("error", "timeout") for r in rows),
         "estimate_errors": sum(r["estimate_error"] is not None for r in rows),
+        # failures of an optional library (liger-kernel, TRL, torchao, bitsandbytes), not memfit's
+        "library_problems": sum(bool(r["measured"].get("library_problem")) for r in rows),
     }
     for quantity in ("total", "reserved", "allocated"):
         errors = [
@@ -840,6 +1264,22 @@ def summarize(rows: Sequence[Mapping[str, Any]], planned: int) -> dict[str, Any]
                 worst_underestimate=round(min(e for e, _ in errors), 2),
             )
         summary[f"{quantity}_error_pct"] = stats
+    total = summary["total_error_pct"]
+    # issue 35's targets for the total: median |error| ≤ 2 %, max ≤ 5 %, none more than 2 % under
+    summary["targets"] = (
+        None
+        if not total["n"]
+        else {
+            "median_abs_le_2pct": total["median_abs"] <= 2.0,
+            "max_abs_le_5pct": total["max_abs"] <= 5.0,
+            "none_under_2pct": total["worst_underestimate"] >= -2.0,
+            "under_2pct": sorted(
+                r["id"]
+                for r in rows
+                if r["error_pct"]["total"] is not None and r["error_pct"]["total"] < -2.0
+            ),
+        }
+    )
     contexts = [
         r["measured"]["context_bytes"]
         for r in rows
@@ -913,6 +1353,8 @@ def format_row(row: Mapping[str, Any]) -> str:
         if row["status"] == "oom":
             predicted = row.get("oom_predicted")
             text += f" at {measured.get('oom_phase')} (estimate {'predicted it' if predicted else 'said it fits'})"
+        elif measured.get("library_problem"):
+            text += f" (library): {measured['library_problem'][:160]}"
         elif measured.get("error"):
             text += f": {measured['error'][:160]}"
     if row["estimate_error"]:
@@ -936,6 +1378,22 @@ def print_summary(summary: Mapping[str, Any], path: Path, reproduce: str) -> Non
             )
         elif quantity == "total":
             print("    total error: no case has both a CUDA measurement and an estimate")
+    targets = summary.get("targets")
+    if targets:
+        print(
+            "  targets: median ≤ 2 % "
+            + ("met" if targets["median_abs_le_2pct"] else "MISSED")
+            + ", max ≤ 5 % "
+            + ("met" if targets["max_abs_le_5pct"] else "MISSED")
+            + ", none more than 2 % under "
+            + (
+                "met"
+                if targets["none_under_2pct"]
+                else f"MISSED: {', '.join(targets['under_2pct'])}"
+            )
+        )
+    if summary.get("library_problems"):
+        print(f"  {summary['library_problems']} cases failed for an optional library's reason")
     if summary.get("context_bytes_median"):
         print(f"  measured CUDA context (median): {summary['context_bytes_median'] / MiB:.0f} MiB")
     print(f"results: {path}")
@@ -995,6 +1453,9 @@ def collect_header(
             "memfit": memfit.__version__,
             "platform": platform.platform(),
         },
+        # the optional libraries the levers run on, as installed (read without importing them)
+        "packages": package_versions(),
+        "not_measurable": NOT_MEASURABLE_HERE,
         "git_commit": git_commit(),
         "hostname": platform.node(),
         "command": [sys.executable, *sys.argv],
@@ -1005,6 +1466,32 @@ def collect_header(
         "warmup_steps": WARMUP_STEPS,
         "cases_planned": [c.id for c in cases],
     }
+
+
+HEADER_PACKAGES = (
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "liger-kernel",
+    "trl",
+    "torchao",
+    "triton",
+    "datasets",
+    "sentence-transformers",
+)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the optional packages (None: not installed)."""
+    import importlib.metadata
+
+    versions: dict[str, str | None] = {}
+    for name in HEADER_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def run_path(out_dir: Path, header: Mapping[str, Any]) -> Path:
@@ -1059,11 +1546,22 @@ def run_cases(
     timeout_s: float,
     device_total: int | None,
     deadline: Deadline | None = None,
+    prefetch: int = 0,
 ) -> None:
-    """Estimate and measure every case, printing a table row and rewriting the JSON after each."""
+    """Estimate and measure every case, printing a table row and rewriting the JSON after each.
+    ``prefetch``: children started that many cases ahead (see :class:`ChildPool`)."""
     deadline = deadline or Deadline()
     print(TABLE_HEADER, flush=True)
-    with estimates_ahead(cases, device) as futures:
+    requests = [
+        {"kind": "step", **case.knobs(), "device": device, "warmup": WARMUP_STEPS} for case in cases
+    ]
+    pool = ChildPool(requests, prefetch)
+    with contextlib.ExitStack() as stack:
+        stack.callback(pool.close)
+        futures = stack.enter_context(estimates_ahead(cases, device))
+        if prefetch:
+            # the first children prepare (CPU only) while the first estimate runs
+            pool.start_ahead(0)
         if futures and device == "cuda":
             # the first estimate before the first child: whatever the parent's torch sets up on the
             # device exists before any child reads its baseline
@@ -1077,8 +1575,7 @@ def run_cases(
                 )
                 run.finish(cases_left_out=left)
                 return
-            request = {"kind": "step", **case.knobs(), "device": device, "warmup": WARMUP_STEPS}
-            child = run_child(request, timeout_s)
+            child = pool.run(index, timeout_s)
             deadline.tick()
             estimated, estimate_error = future.result()
             row = make_row(index, case, device, child, estimated, estimate_error, device_total)
@@ -1103,6 +1600,15 @@ PLAN_FIELDS: dict[str, tuple[str, ...]] = {
     "gradient_checkpointing": ("gradient_checkpointing",),
     "optimizer": ("optimizer",),
     "attn_implementation": ("attn_implementation",),
+    # the levers a plan may choose (memfit.plan's PINS and max_seq_len): run as it chose them
+    "max_seq_len": ("max_seq_len",),
+    "lora_rank": ("lora_rank",),
+    "quantization": ("quantization",),
+    "double_quant": ("double_quant",),
+    "weights_dtype": ("weights_dtype",),
+    "cross_entropy": ("cross_entropy",),
+    "activation_offloading": ("activation_offloading",),
+    "optimizer_offload": ("optimizer_offload",),
     "predicted_total_bytes": (
         "predicted_peak_bytes",
         "total_bytes",
@@ -1192,6 +1698,12 @@ def plan_settings(plan: Any, effective_batch: int) -> tuple[dict[str, Any], list
     settings["batch_size"] = int(settings["batch_size"])
     settings["accumulation_steps"] = int(settings["accumulation_steps"])
     settings["gradient_checkpointing"] = bool(settings["gradient_checkpointing"])
+    # a lever the plan says nothing of (or None: not used) runs as a Case's default
+    if "lora_rank" in settings:
+        settings["lora_rank"] = int(settings["lora_rank"] or 0)
+    for key in ("double_quant", "activation_offloading"):
+        if key in settings:
+            settings[key] = bool(settings[key])
     return settings, assumed
 
 
@@ -1202,68 +1714,100 @@ def _brief(obj: Any, limit: int = 400) -> str:
 
 def run_plan_checks(
     planner: Callable[..., Any],
-    checks: Sequence[tuple[str, str, int, int]],
+    checks: Sequence[tuple[Any, ...]],
     device: str,
     run: RunFile,
     *,
     timeout_s: float,
     device_total: int | None,
     deadline: Deadline | None = None,
+    optimizer_steps: int = PLAN_OPTIMIZER_STEPS,
 ) -> None:
-    """For each (model, task, seq_len, budget): plan, then run the plan for real under the budget."""
+    """For each (model, task, seq_len, budget[, the plan's keywords]): plan, then run the plan
+    for real (``optimizer_steps`` optimizer steps) under the budget."""
     deadline = deadline or Deadline()
-    print(
-        f"\nplan check ({PLAN_OPTIMIZER_STEPS} optimizer steps, effective batch {PLAN_EFFECTIVE_BATCH}):"
-    )
-    for model, task, seq_len, budget in checks:
-        if not deadline.allows_another():
-            print(
-                f"time budget of {deadline.budget_s:.0f} s reached: plan checks left out",
-                flush=True,
-            )
-            run.finish(plan_checks_left_out=True)
-            return
-        check = ask_plan(planner, model, task, seq_len, budget)
-        if check["status"] == "ok":
-            run_plan(check, device, timeout_s=timeout_s, device_total=device_total)
-            deadline.tick()
-        run.add_plan_check(check)
-        print(format_plan_check(check), flush=True)
+    print(f"\nplan check ({optimizer_steps} optimizer steps of each plan):", flush=True)
+    # the plans are made in one background thread, in order, while the children run (as the
+    # estimates are: the planner is Python-heavy tracing, the children wait on the GPU)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-plan")
+    try:
+        futures = [
+            pool.submit(ask_plan, planner, model, task, seq_len, budget, more[0] if more else None)
+            for model, task, seq_len, budget, *more in checks
+        ]
+        for index, future in enumerate(futures):
+            if not deadline.allows_another():
+                print(
+                    f"time budget of {deadline.budget_s:.0f} s reached: "
+                    f"{len(futures) - index} plan checks left out",
+                    flush=True,
+                )
+                run.finish(plan_checks_left_out=[list(c[:4]) for c in checks[index:]])
+                return
+            check = future.result()
+            if check["status"] == "ok":
+                run_plan(
+                    check,
+                    device,
+                    timeout_s=timeout_s,
+                    device_total=device_total,
+                    optimizer_steps=optimizer_steps,
+                )
+                deadline.tick()
+            run.add_plan_check(check)
+            print(format_plan_check(check), flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def ask_plan(
-    planner: Callable[..., Any], model: str, task: str, seq_len: int, budget: int
+    planner: Callable[..., Any],
+    model: str,
+    task: str,
+    seq_len: int,
+    budget: int,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A plan-check record with what the planner chose (status ok), or why there is no plan."""
+    """A plan-check record with what the planner chose (status ok), or why there is no plan.
+    ``options``: the plan's keywords (``effective_batch_size``, default PLAN_EFFECTIVE_BATCH,
+    and pins such as ``lora_rank`` or ``precision``)."""
     from memfit.errors import NothingFitsError
 
+    keywords = dict(options or {})
+    effective = int(keywords.pop("effective_batch_size", PLAN_EFFECTIVE_BATCH))
     check: dict[str, Any] = {
         "model": model,
         "task": task,
         "seq_len": seq_len,
-        "effective_batch_size": PLAN_EFFECTIVE_BATCH,
+        "effective_batch_size": effective,
         "budget_bytes": budget,
+        "pins": keywords,
         "plan": None,
         "assumed": [],
         "status": "ok",
+        "fits": None,
         "measured": None,
         "error": None,
     }
+    started = time.perf_counter()
     try:
         plan = planner(
             model,
             task=task,
             seq_len=seq_len,
-            effective_batch_size=PLAN_EFFECTIVE_BATCH,
+            effective_batch_size=effective,
             gpu_memory=budget,
+            **keywords,
         )
+        check["plan_seconds"] = round(time.perf_counter() - started, 2)
         as_dict = plan.to_dict() if callable(getattr(plan, "to_dict", None)) else plan
         if isinstance(as_dict, Mapping) and as_dict.get("fits") is False:
             # memfit.plan answers "nothing fits" with a plan object, not an exception
             check.update(status="nothing-fits", error="; ".join(as_dict.get("suggestions", [])))
             return check
-        settings, check["assumed"] = plan_settings(as_dict, PLAN_EFFECTIVE_BATCH)
+        settings, check["assumed"] = plan_settings(as_dict, effective)
         check["plan"] = {**settings, "repr": _brief(plan)}
+        check["plan_changed"] = plan_changes(settings, effective, keywords)
     except NothingFitsError as exc:
         check.update(status="nothing-fits", error=str(exc))
     except Exception as exc:
@@ -1271,18 +1815,58 @@ def ask_plan(
     return check
 
 
+def plan_changes(settings: Mapping[str, Any], effective: int, pins: Mapping[str, Any]) -> list[str]:
+    """What the plan changed from the plain job (the whole batch in one micro-batch, no
+    checkpointing, every lever the plan was free to choose at its default)."""
+    changed = []
+    if settings["batch_size"] < effective:
+        changed.append(f"micro-batch {settings['batch_size']} of {effective}")
+    if settings["gradient_checkpointing"]:
+        changed.append("gradient checkpointing")
+    for name, field in Case.__dataclass_fields__.items():
+        if name in settings and name not in pins and name not in ("batch_size",):
+            plain = field.default
+            if (
+                name
+                in (
+                    "lora_rank",
+                    "quantization",
+                    "double_quant",
+                    "weights_dtype",
+                    "cross_entropy",
+                    "activation_offloading",
+                    "optimizer_offload",
+                    "optimizer",
+                )
+                and settings[name] != plain
+            ):
+                changed.append(f"{name} {settings[name]}")
+    return changed
+
+
 def run_plan(
-    check: dict[str, Any], device: str, *, timeout_s: float, device_total: int | None
+    check: dict[str, Any],
+    device: str,
+    *,
+    timeout_s: float,
+    device_total: int | None,
+    optimizer_steps: int = PLAN_OPTIMIZER_STEPS,
 ) -> None:
     """Run a plan's configuration for real in a child, capped at the budget; fills ``measured``."""
     budget = int(check["budget_bytes"])
-    knobs = {k: v for k, v in check["plan"].items() if k not in ("repr", "predicted_total_bytes")}
+    plan = check["plan"]
+    # the Case's knobs the plan chose, and its accumulation (not its prediction or repr)
+    knobs = {
+        k: v for k, v in plan.items() if k in Case.__dataclass_fields__ or k == "accumulation_steps"
+    }
+    # truncation the plan chose: the run's sequences are cut to it
+    seq_len = min(int(check["seq_len"]), int(plan.get("max_seq_len") or check["seq_len"]))
     request = {
         "kind": "plan",
-        **Case(check["model"], check["task"], 1, check["seq_len"]).knobs(),
+        **Case(check["model"], check["task"], 1, seq_len).knobs(),
         **knobs,
         "device": device,
-        "optimizer_steps": PLAN_OPTIMIZER_STEPS,
+        "optimizer_steps": optimizer_steps,
         "budget_bytes": budget,
         # the allocator may reserve up to the budget (the CUDA context comes on top)
         "memory_fraction": None if not device_total else min(1.0, budget / device_total),
@@ -1294,11 +1878,22 @@ def run_plan(
     )
     check["status"] = child["status"]
     check["error"] = child.get("error")
+    check["library_problem"] = child.get("library_problem")
+    check["implementations"] = child.get("implementations", {})
+    predicted = plan.get("predicted_total_bytes")
+    # fits: ran under the cap without an OOM, and the device held no more than the budget (the
+    # CPU has no cap: there it says nothing)
+    check["fits"] = (
+        None
+        if device != "cuda"
+        else child["status"] == "ok" and total is not None and total <= budget
+    )
     check["measured"] = {
         **stats,
         "total_bytes": total,
         "fraction_of_budget": None if total is None else round(total / budget, 4),
         "within_budget": None if total is None else total <= budget,
+        "predicted_error_pct": error_pct(predicted, total),
         "timings": child.get("timings", {}),
         "child_seconds": child.get("child_seconds"),
     }
@@ -1316,9 +1911,28 @@ def format_plan_check(check: Mapping[str, Any]) -> str:
         f"micro {plan['batch_size']} × {plan['accumulation_steps']}, {plan['precision']}, "
         f"{'gc' if plan['gradient_checkpointing'] else 'no gc'}"
     )
+    levers = [
+        f"{name} {plan[name]}"
+        for name, plain in (
+            ("lora_rank", 0),
+            ("quantization", "none"),
+            ("weights_dtype", "auto"),
+            ("cross_entropy", "standard"),
+            ("activation_offloading", False),
+            ("optimizer_offload", "none"),
+        )
+        if plan.get(name, plain) != plain
+    ]
+    if plan.get("max_seq_len") and int(plan["max_seq_len"]) < int(check["seq_len"]):
+        levers.append(f"max_seq_len {plan['max_seq_len']}")
+    knobs += "".join(", " + lever for lever in levers)
     measured = check["measured"] or {}
     if check["status"] == "ok":
-        fits = "fits" if measured["within_budget"] else "OVER BUDGET"
+        fits = (
+            "cpu: no cap"
+            if check.get("fits") is None
+            else ("fits" if check["fits"] else "OVER BUDGET")
+        )
         return (
             head
             + f"{knobs} → {_gib(measured['total_bytes'])} GiB = {measured['fraction_of_budget']:.0%} of the budget ({fits})"
@@ -1361,6 +1975,13 @@ CASE_KEYS = (
     "optimizer",
     "loss",
     "num_labels",
+    "lora_rank",
+    "quantization",
+    "double_quant",
+    "weights_dtype",
+    "cross_entropy",
+    "activation_offloading",
+    "optimizer_offload",
     "device",
 )
 ROW_KEYS = (
@@ -1497,6 +2118,20 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=0,
         ),
     ),
+    # a config that says bf16, as the embedded LLMs' do: weights_dtype "auto" is a bf16 base
+    "tiny-llama-bf16": (
+        "llama",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            dtype="bfloat16",
+        ),
+    ),
     "tiny-llama": (
         "llama",
         dict(
@@ -1522,9 +2157,34 @@ def write_tiny_models(folder: Path) -> dict[str, str]:
     return paths
 
 
+# the new knobs' non-default values, each of which --new-knobs must run at least once
+NEW_KNOB_VALUES: dict[str, tuple[Any, ...]] = {
+    "quantization": ("nf4", "int8"),
+    "double_quant": (True, False),
+    "optimizer": ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"),
+    "weights_dtype": ("auto", "bf16"),
+    "cross_entropy": ("fused-linear",),
+    "activation_offloading": (True,),
+    "optimizer_offload": ("cpu",),
+}
+
+
+def case_problems(case: Case, device: str = "cuda") -> list[str]:
+    """What memfit's own checks refuse in a case (those ``memfit estimate`` would name)."""
+    try:
+        _spec_for({**case.knobs(), "device": device})
+    except Exception as exc:
+        return [f"{case.id}: {type(exc).__name__}: {exc}"]
+    return []
+
+
 def check_case_lists() -> list[str]:
-    """The default and quick matrices are well formed (the smoke test builds them, never runs them)."""
+    """Every case list is well formed (the smoke test builds them, never runs them): ids unique,
+    knobs memfit accepts, --new-knobs covering every new knob's values, --plans-only's models
+    known and its pins the planner's."""
     from memfit import job as memfit_job
+    from memfit.models import resolve_model
+    from memfit.plan.planner import PINS
 
     problems = []
     cases = build_cases()
@@ -1534,6 +2194,7 @@ def check_case_lists() -> list[str]:
         ("default", cases),
         ("quick", list(QUICK_CASES)),
         ("qlora", list(QLORA_CASES)),
+        ("new-knobs", list(NEW_KNOB_CASES)),
     ):
         ids = [c.id for c in listed]
         if len(set(ids)) != len(ids):
@@ -1545,9 +2206,106 @@ def check_case_lists() -> list[str]:
                 or c.mode not in memfit_job.MODES
                 or c.quantization not in memfit_job.QUANTIZATIONS
                 or c.optimizer not in memfit_job.OPTIMIZERS
+                or c.weights_dtype not in memfit_job.WEIGHTS_DTYPES
+                or c.cross_entropy not in memfit_job.CROSS_ENTROPIES
+                or c.optimizer_offload not in memfit_job.OPTIMIZER_OFFLOADS
             ):
                 problems.append(f"{c.id}: unknown knob")
+    for case in NEW_KNOB_CASES:
+        problems += case_problems(case)
+    for knob, values in NEW_KNOB_VALUES.items():
+        ran = {getattr(c, knob) for c in NEW_KNOB_CASES}
+        problems += [f"--new-knobs: no case with {knob}={v!r}" for v in values if v not in ran]
+    if not any(c.weights_dtype == "auto" and c.lora_rank for c in NEW_KNOB_CASES):
+        problems.append("--new-knobs: no LoRA case over the checkpoint's own (auto) base")
+    for knob in ("activation_offloading", "cross_entropy"):
+        plain = Case.__dataclass_fields__[knob].default
+        checkpointing = {
+            c.gradient_checkpointing for c in NEW_KNOB_CASES if getattr(c, knob) != plain
+        }
+        if checkpointing != {True, False}:
+            problems.append(f"--new-knobs: {knob} not run both with and without checkpointing")
+    # round-robin: the first cases cover every group
+    first = set(NEW_KNOB_CASES[: len(NEW_KNOB_GROUPS)])
+    problems += [
+        f"--new-knobs: the group {name!r} has no case among the first {len(NEW_KNOB_GROUPS)}"
+        for name, group in NEW_KNOB_GROUPS
+        if not first & set(group)
+    ]
+    if len(PLANS_ONLY) != 3:
+        problems.append(f"--plans-only has {len(PLANS_ONLY)} plans (the issue asks for three)")
+    for model, task, _, budget, options in PLANS_ONLY:
+        try:
+            resolve_model(model)
+        except Exception as exc:
+            problems.append(f"--plans-only: {model}: {exc}")
+        unknown = set(options) - {"effective_batch_size", "precision", *PINS}
+        if unknown or task not in memfit_job.TASKS or budget <= 0:
+            problems.append(f"--plans-only: {model}: bad check ({sorted(unknown)}, {task})")
     return problems
+
+
+def smoke_new_knob_cases(models: Mapping[str, str]) -> list[Case]:
+    """--new-knobs on tiny configs: every new knob in four children (the GPU run's sixteen
+    cases would take minutes on a small CPU). ``tiny-llama-bf16``'s config says bf16, so its
+    ``auto`` base is bf16 as the embedded LLMs' are."""
+    llama, gpt2 = models["tiny-llama-bf16"], models["tiny-gpt2"]
+    cases = [
+        # pure bf16 full fine-tuning with the fused loss and checkpointing
+        Case(
+            llama,
+            LM,
+            2,
+            32,
+            "bf16",
+            gradient_checkpointing=True,
+            weights_dtype="bf16",
+            cross_entropy="fused-linear",
+        ),
+        # LoRA over the bf16 base (auto), the saved activations offloaded
+        Case(llama, LM, 2, 32, "bf16", lora_rank=16, activation_offloading=True),
+        Case(gpt2, LM, 2, 32, "fp32", optimizer_offload="cpu"),
+    ]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        # QLoRA and a paged optimizer: real bitsandbytes layers and optimizer (they run on the CPU)
+        cases.insert(0, Case(llama, LM, 2, 32, "bf16", optimizer="paged-adamw-8bit", **QLORA))
+    return cases
+
+
+def smoke_plan_checks(models: Mapping[str, str]) -> list[tuple[str, str, int, int, dict[str, Any]]]:
+    """--plans-only on tiny configs, the real planner, its plans run on the CPU (no cap there).
+    Each budget lies between what micro-batch 1 and the whole batch need (memfit's CUDA
+    estimates, the planner's 5 % margin taken off), so that every plan changes something."""
+    from memfit.estimate import estimate
+
+    effective, seq_len = 64, 32
+    checks = []
+    for name, task, options in (
+        ("tiny-bert", CLS, {}),
+        ("tiny-gpt2", LM, {"cross_entropy": "standard"}),
+        ("tiny-llama-bf16", LM, {"lora_rank": 16, "cross_entropy": "fused-linear"}),
+    ):
+        knobs = {**PLAN_PINS, **options}
+        need = [
+            estimate(models[name], task=task, batch_size=b, seq_len=seq_len, **knobs).total_bytes
+            for b in (1, effective)
+        ]
+        budget = int(sum(need) / 2 / 0.95)
+        checks.append(
+            (models[name], task, seq_len, budget, {"effective_batch_size": effective, **knobs})
+        )
+    return checks
+
+
+def _stub_plan(model: str, **_: Any) -> dict[str, Any]:
+    """The smoke test's plan for the default run's --plan-check path."""
+    return {
+        "config": {
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "precision": "fp32",
+        }
+    }
 
 
 def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -1555,50 +2313,72 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
     problems = check_case_lists()
     print(
         f"smoke: default matrix {len(build_cases())} cases, quick {len(QUICK_CASES)}, "
-        f"plan checks {len(plan_check_list(None))}",
+        f"new knobs {len(NEW_KNOB_CASES)}, plan checks {len(plan_check_list(None))}, "
+        f"plans only {len(PLANS_ONLY)}",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="memfit-gpu-validate-smoke-") as tmp:
         models = write_tiny_models(Path(tmp))
-        cases = [
-            Case(models["tiny-bert"], CLS, 4, 32, "fp32", gradient_checkpointing=True),
-            Case(models["tiny-gpt2"], LM, 2, 32, "bf16", attn_implementation="eager"),
-        ]
-        if importlib.util.find_spec("bitsandbytes") is not None:
-            # the --qlora path: real bitsandbytes layers in the child (they run on the CPU too)
-            cases.append(Case(models["tiny-llama"], LM, 2, 32, "fp32", **QLORA))
+        if args.plans_only:
+            cases: list[Case] = []
+        elif args.new_knobs:
+            cases = smoke_new_knob_cases(models)
+        else:
+            cases = [
+                Case(models["tiny-bert"], CLS, 4, 32, "fp32", gradient_checkpointing=True),
+                Case(models["tiny-gpt2"], LM, 2, 32, "bf16", attn_implementation="eager"),
+            ]
+            if importlib.util.find_spec("bitsandbytes") is not None:
+                # the --qlora path: real bitsandbytes layers in the child (they run on the CPU too)
+                cases.append(Case(models["tiny-llama"], LM, 2, 32, "fp32", **QLORA))
         header = collect_header(argv, "cpu", smoke=True, cases=cases)
         path = run_path(Path(args.out) if args.out else Path(tmp) / "results", header)
         print(f"reproduce: {header['reproduce']}", flush=True)
         run = RunFile(path, header, len(cases))
-        run_cases(cases, "cpu", run, timeout_s=args.timeout, device_total=None)
+        deadline = Deadline(args.time_budget)
+        if cases:
+            # one child prepared ahead: the GPU run's path (on 2 cores more would only contend)
+            run_cases(
+                cases,
+                "cpu",
+                run,
+                timeout_s=args.timeout,
+                device_total=None,
+                deadline=deadline,
+                prefetch=min(args.prefetch, 1),
+            )
 
         planner, source = find_planner()
-        if planner is None:
-            print(f"plan check skipped: {source}", flush=True)
+        if args.new_knobs:
+            pass  # no plan check in this mode
+        elif planner is None:
+            problems.append(f"plan check skipped: {source}")
+        elif args.plans_only:
+            run_plan_checks(
+                planner,
+                smoke_plan_checks(models),
+                "cpu",
+                run,
+                timeout_s=args.timeout,
+                device_total=None,
+                deadline=deadline,
+                # one optimizer step of accumulated micro-batches: the GPU run's path, in seconds
+                optimizer_steps=1,
+            )
+            print_plan_summary(run.doc["plan_checks"])
         else:
             print(
                 "plan check: memfit.plan found; the smoke test runs the plan check with a stub plan",
                 flush=True,
             )
-
-        def stub_plan(model: str, **_: Any) -> dict[str, Any]:
-            return {
-                "config": {
-                    "micro_batch_size": 2,
-                    "gradient_accumulation_steps": 2,
-                    "precision": "fp32",
-                }
-            }
-
-        run_plan_checks(
-            stub_plan,
-            [(models["tiny-bert"], CLS, 32, 1 * GiB)],
-            "cpu",
-            run,
-            timeout_s=args.timeout,
-            device_total=None,
-        )
+            run_plan_checks(
+                _stub_plan,
+                [(models["tiny-bert"], CLS, 32, 1 * GiB)],
+                "cpu",
+                run,
+                timeout_s=args.timeout,
+                device_total=None,
+            )
         run.finish(seconds=round(time.perf_counter() - started, 1))
         doc = json.loads(path.read_text(encoding="utf-8"))
         problems += validate_run(doc)
@@ -1617,6 +2397,10 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
             for c in doc["plan_checks"]
             if c["status"] != "ok"
         ]
+        if args.new_knobs:
+            problems += smoke_knob_coverage(doc["rows"])
+        if args.plans_only and len(doc["plan_checks"]) != len(PLANS_ONLY):
+            problems.append(f"plans only: {len(doc['plan_checks'])} plan checks ran")
         print_summary(doc["summary"], path, header["reproduce"])
     elapsed = time.perf_counter() - started
     if problems:
@@ -1624,6 +2408,23 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 1
     print(f"smoke ok in {elapsed:.1f} s")
     return 0
+
+
+def smoke_knob_coverage(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The --new-knobs smoke rows run every new lever (QLoRA only where bitsandbytes is)."""
+    wanted = {
+        "weights_dtype": "bf16",
+        "cross_entropy": "fused-linear",
+        "activation_offloading": True,
+        "optimizer_offload": "cpu",
+    }
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        wanted |= {"quantization": "nf4", "optimizer": "paged-adamw-8bit"}
+    return [
+        f"new knobs smoke: no row ran {knob}={value!r}"
+        for knob, value in wanted.items()
+        if not any(r["case"].get(knob) == value for r in rows)
+    ]
 
 
 # --- main ---------------------------------------------------------------------------------------------
@@ -1650,6 +2451,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help=f"{len(QLORA_CASES)} QLoRA cases (LoRA on bitsandbytes 4-/8-bit base weights)",
     )
+    parser.add_argument(
+        "--new-knobs",
+        action="store_true",
+        help=f"{len(NEW_KNOB_CASES)} cases of the levers since the last GPU run (QLoRA, 8-bit and "
+        "paged optimizers, 16-bit weights, fused-linear cross-entropy, activation and optimizer "
+        "offloading)",
+    )
+    parser.add_argument(
+        "--plans-only",
+        action="store_true",
+        help=f"no estimator cases: {len(PLANS_ONLY)} plans run for real under a hard cap "
+        "(set_per_process_memory_fraction(budget))",
+    )
     parser.add_argument("--limit", type=int, default=None, help="run only the first N cases")
     parser.add_argument(
         "--only",
@@ -1675,6 +2489,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="start no case that would likely end after S seconds (default %(default).0f, "
         "which keeps a run under 9 minutes; 0: no limit)",
     )
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=DEFAULT_PREFETCH,
+        help="start each case's child this many cases ahead: it imports and builds on the CPU, "
+        "then waits until the GPU is its own (default %(default)s; 0: one child at a time)",
+    )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     parser.add_argument(
         "--smoke", action="store_true", help="CPU-only self-test of every code path (CI)"
@@ -1689,6 +2510,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             parser.error(f"--precisions: unknown {', '.join(bad)}; choose from fp32, fp16, bf16")
     if args.limit is not None and args.limit < 0:
         parser.error("--limit: must be ≥ 0")
+    chosen = [f for f in ("quick", "qlora", "new_knobs", "plans_only") if getattr(args, f)]
+    if len(chosen) > 1:
+        flags = " and ".join("--" + f.replace("_", "-") for f in chosen)
+        parser.error(f"{flags}: choose one case set")
     return args
 
 
@@ -1705,6 +2530,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for i, case in enumerate(cases):
             print(f"{i + 1:>3} {case.id}")
+        if args.plans_only:
+            for model, task, seq_len, budget, options in PLANS_ONLY:
+                print(
+                    f"  plan {model} {task} seq {seq_len} budget {budget / GiB:.0f} GiB {options}"
+                )
         return 0
 
     import torch
@@ -1732,9 +2562,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_total = int(gpu["total_memory_bytes"])
     started = time.perf_counter()
     deadline = Deadline(args.time_budget)
+    if args.plans_only:
+        return run_plans_only(args, run, device_total, deadline, started)
     run_cases(
-        cases, "cuda", run, timeout_s=args.timeout, device_total=device_total, deadline=deadline
+        cases,
+        "cuda",
+        run,
+        timeout_s=args.timeout,
+        device_total=device_total,
+        deadline=deadline,
+        prefetch=args.prefetch,
     )
+    if args.new_knobs:
+        # the failures of a case are in its row (a library's reason said so): the run itself worked
+        run.finish(seconds=round(time.perf_counter() - started, 1))
+        print_summary(run.doc["summary"], path, header["reproduce"])
+        return 0
     if args.plan_check:
         planner, source = find_planner()
         if planner is None:
@@ -1755,6 +2598,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_summary(run.doc["summary"], path, header["reproduce"])
     summary = run.doc["summary"]
     return 1 if summary["errors"] or summary["estimate_errors"] else 0
+
+
+def run_plans_only(
+    args: argparse.Namespace, run: RunFile, device_total: int, deadline: Deadline, started: float
+) -> int:
+    """``--plans-only``: the PLANS_ONLY checks under their caps; exit 0 whatever they found (each
+    check's record says it)."""
+    planner, source = find_planner()
+    if planner is None:
+        print(f"plan check skipped: {source}", flush=True)
+        run.finish(plan_check="skipped: " + source)
+    else:
+        models = _canonical_models(args.models)
+        checks = [c for c in PLANS_ONLY if models is None or c[0] in models]
+        run_plan_checks(
+            planner,
+            checks,
+            "cuda",
+            run,
+            timeout_s=args.timeout,
+            device_total=device_total,
+            deadline=deadline,
+        )
+    run.finish(seconds=round(time.perf_counter() - started, 1))
+    print_plan_summary(run.doc["plan_checks"])
+    print_summary(run.doc["summary"], run.path, run.doc["header"]["reproduce"])
+    return 0
+
+
+def print_plan_summary(checks: Sequence[Mapping[str, Any]]) -> None:
+    if not checks:
+        return
+    if all(c.get("fits") is None for c in checks):
+        print(f"\nplans: {len(checks)} run (no cap on the CPU: nothing to fit)", flush=True)
+        return
+    fits = sum(bool(c.get("fits")) for c in checks)
+    unchanged = [Path(c["model"]).name for c in checks if c["plan"] and not c.get("plan_changed")]
+    print(f"\nplans: {fits} of {len(checks)} fit under their cap", flush=True)
+    if unchanged:
+        print(f"  plans that changed nothing (budget too large?): {', '.join(unchanged)}")
 
 
 if __name__ == "__main__":

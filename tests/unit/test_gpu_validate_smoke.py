@@ -133,6 +133,107 @@ def test_smoke_runs_end_to_end(gv: ModuleType, tmp_path: Path) -> None:
     assert len(doc["plan_checks"]) == 1 and doc["plan_checks"][0]["status"] == "ok"
 
 
+def test_new_knob_cases_are_well_formed(gv: ModuleType) -> None:
+    cases = list(gv.NEW_KNOB_CASES)
+    assert 14 <= len(cases) <= 18
+    assert len({c.id for c in cases}) == len(cases)
+    # memfit's own checks accept every case (as memfit estimate would), every new knob's values run
+    assert [p for c in cases for p in gv.case_problems(c)] == []
+    for knob, values in gv.NEW_KNOB_VALUES.items():
+        assert set(values) <= {getattr(c, knob) for c in cases}, knob
+    # round-robin: the first six cases are one of each kind of lever
+    assert {c for c in cases[: len(gv.NEW_KNOB_GROUPS)]} == {
+        group[0] for _, group in gv.NEW_KNOB_GROUPS
+    }
+    # the ids say the new knobs (a row is readable without its case)
+    ids = " ".join(c.id for c in cases)
+    for word in ("weights-bf16", "fused-linear", "act-offload", "opt-offload-cpu", "int8"):
+        assert word in ids
+    # the case's knobs reach the estimate and the child's step spec alike
+    fused = next(c for c in cases if c.cross_entropy == "fused-linear")
+    spec = gv._spec_for({**fused.knobs(), "device": "cuda"})
+    assert (spec.cross_entropy, spec.lora_rank, spec.precision) == ("fused-linear", 16, "bf16")
+    assert fused.estimate_kwargs()["cross_entropy"] == "fused-linear"
+    offloaded = next(c for c in cases if c.activation_offloading and c.optimizer_offload == "none")
+    assert gv._spec_for({**offloaded.knobs(), "device": "cuda"}).activation_offloading is True
+
+
+def test_plans_only_checks_are_well_formed(gv: ModuleType) -> None:
+    assert len(gv.PLANS_ONLY) == 3
+    assert gv.check_case_lists() == []
+    models = [check[0] for check in gv.PLANS_ONLY]
+    assert len(set(models)) == 3
+    # one of them a LoRA causal LM
+    assert any(check[4].get("lora_rank") for check in gv.PLANS_ONLY)
+
+
+def test_plan_settings_reads_the_levers(gv: ModuleType) -> None:
+    plan = {
+        "fits": True,
+        "plan": {
+            "micro_batch_size": 8,
+            "gradient_accumulation_steps": 4,
+            "precision": "bf16",
+            "gradient_checkpointing": True,
+            "lora_rank": None,
+            "cross_entropy": "fused-linear",
+            "optimizer_offload": "cpu",
+            "max_seq_len": 256,
+        },
+    }
+    settings, _ = gv.plan_settings(plan, 32)
+    assert settings["cross_entropy"] == "fused-linear"
+    assert settings["optimizer_offload"] == "cpu"
+    assert "lora_rank" not in settings  # None: not used, the Case's default
+    changed = gv.plan_changes(settings, 32, {"cross_entropy": "fused-linear"})
+    assert changed == ["micro-batch 8 of 32", "gradient checkpointing", "optimizer_offload cpu"]
+
+
+def test_library_problem(gv: ModuleType) -> None:
+    assert gv.library_problem(ImportError("No module named 'liger_kernel'")).startswith(
+        "import failed"
+    )
+    assert "pip install" in gv.library_problem(RuntimeError("needs it: pip install 'memfit[trl]'"))
+    assert gv.library_problem(ValueError("a shape")) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["--new-knobs", "--plans-only"])
+def test_smoke_of_the_new_modes(gv: ModuleType, tmp_path: Path, mode: str) -> None:
+    done = _run("--smoke", mode, "--out", str(tmp_path), "--time-budget", "300", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "smoke ok" in done.stdout
+    doc = _only_json(tmp_path)
+    assert gv.validate_run(doc) == []
+    assert doc["header"]["not_measurable"].startswith("T4-class")
+    assert "liger-kernel" in doc["header"]["packages"]
+    if mode == "--plans-only":
+        assert doc["rows"] == []
+        checks = doc["plan_checks"]
+        assert len(checks) == 3 and all(c["status"] == "ok" for c in checks)
+        # each tiny budget lies between micro-batch 1 and the whole batch: each plan changes it
+        assert all(c["plan_changed"] for c in checks)
+        assert any(c["plan"]["accumulation_steps"] > 1 for c in checks)
+        assert any(c["plan"].get("cross_entropy") == "fused-linear" for c in checks)
+        return
+    rows = doc["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    cases = [r["case"] for r in rows]
+    assert any(c["weights_dtype"] == "bf16" for c in cases)
+    assert any(c["cross_entropy"] == "fused-linear" for c in cases)
+    assert any(c["activation_offloading"] for c in cases)
+    assert any(c["optimizer_offload"] == "cpu" for c in cases)
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        assert any(
+            c["quantization"] == "nf4" and c["optimizer"] == "paged-adamw-8bit" for c in cases
+        )
+    # what ran each lever is in the row (the CPU: memfit's fused loss, save_on_cpu)
+    fused = next(r for r in rows if r["case"]["cross_entropy"] == "fused-linear")
+    assert fused["measured"]["implementations"]["cross_entropy"].startswith("memfit")
+    # the children were prepared ahead (imports and build on the CPU, then "go")
+    assert all("cpu_build_s" in r["measured"]["timings"] for r in rows)
+
+
 def test_validate_run_reports_problems(gv: ModuleType) -> None:
     problems = gv.validate_run({"schema_version": 0, "rows": [{"id": "x"}]})
     assert any("header" in p for p in problems)

@@ -260,12 +260,19 @@ def memory_cap(size_bytes: int | None, device: torch.device) -> Iterator[CpuMemo
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
+        # the allocator checks the fraction only when it asks CUDA for a new segment: blocks it
+        # cached before (a notebook's earlier run, the model's load) would be reused past the cap,
+        # so the cache is released first and the cap then counts what is live from here on
+        torch.cuda.empty_cache()
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+        before = float(getter(index)) if getter is not None else 1.0
         torch.cuda.set_per_process_memory_fraction(min(1.0, size_bytes / total), index)
         try:
             yield None
         finally:
-            # the whole GPU again: the cap belongs to this run only
-            torch.cuda.set_per_process_memory_fraction(1.0, index)
+            # the fraction that was set before (the whole GPU unless the caller set one): the cap
+            # belongs to this run only
+            torch.cuda.set_per_process_memory_fraction(before, index)
         return
     if device.type == "cpu":
         with CpuMemoryCap(size_bytes) as cap:

@@ -175,3 +175,39 @@ def test_memory_cap_on_cuda_limits_the_allocator() -> None:
     ok = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # the whole GPU again
     del ok
     torch.cuda.empty_cache()
+
+
+def test_memory_cap_on_cuda_releases_the_cache_first_and_restores_the_fraction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the allocator checks the fraction only for new segments: cached blocks must be released
+    # before the cap is set, and the caller's own fraction comes back after the run
+    calls: list[tuple[str, float | None]] = []
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache", None)))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 0.5)
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda fraction, index: calls.append(("set", fraction)),
+    )
+    with memory_cap(20 * 2**30, torch.device("cuda")) as cap:
+        assert cap is None
+        assert calls == [("empty_cache", None), ("set", 0.25)]
+    assert calls[-1] == ("set", 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_cap_on_cuda_bites_after_earlier_work_was_cached() -> None:
+    device = torch.device("cuda")
+    earlier = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    del earlier  # 512 MiB cached, not freed to CUDA
+    with memory_cap(64 * 2**20, device), pytest.raises(torch.OutOfMemoryError):
+        torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    torch.cuda.empty_cache()
