@@ -497,7 +497,14 @@ def _replay_cuda(
     breakdown["allocator_overhead"] = reserved - sum(walk.best_raw) - workspace
     # NCCL's communicator buffers live outside the caching allocator
     nccl = profile.nccl_bytes if world_size > 1 else 0
-    context = profile.context_for(spec.mode, spec.precision, spec.attn_implementation)
+    # offloading's side stream and pinned buffers, as measured without sharding (TRL's and
+    # torchao's); DeepSpeed's ZeRO-Offload is not measured
+    offloading = sharded.shard is None and (
+        spec.activation_offloading or spec.optimizer_offload == "cpu"
+    )
+    context = profile.context_for(
+        spec.mode, spec.precision, spec.attn_implementation, offloading=offloading
+    )
     breakdown["runtime_overhead"] = context + workspace + nccl
     total = reserved + context + nccl
     return Peak(

@@ -321,7 +321,11 @@ class Guard:
             if ranks is not None:
                 ranks.finish_gradients(params)
             return value
-        step_loss = 0.0
+        # the micro-batches' losses are added on the device and read once, after the last
+        # backward: a read per micro-batch would make the host wait for each backward to finish
+        # before it queues the next micro-batch's forward (on a GPU the one read left still
+        # waits for the step's backward: bench/guard_overhead.py measures what that costs)
+        step_loss: torch.Tensor | None = None
         chunks = self.chunks(rows, recipe, size, self.max_tokens) if rows else []
         # several ranks meet after every micro-batch: the same number of times on each
         count = ranks.most(len(chunks)) if ranks is not None else len(chunks)
@@ -334,9 +338,10 @@ class Guard:
                     loss = recipe.loss(chunk, total_units)
                 phase("backward")
                 self._backward(scale(loss))
-                step_loss += float(loss.detach())
+                part = loss.detach().to(torch.float64)  # as the float sum it replaces
+                step_loss = part if step_loss is None else step_loss + part
                 # the graph is freed by backward; drop the last reference before the next forward
-                del loss
+                del loss, part
             elif self.pad_pass is not None:
                 # the model communicates in its forward and backward (FSDP): join with no weight
                 self.pad_pass(True)
@@ -352,7 +357,7 @@ class Guard:
             if lengths is not None
             else None,
         }
-        return step_loss
+        return 0.0 if step_loss is None else float(step_loss)
 
     @staticmethod
     def chunks(

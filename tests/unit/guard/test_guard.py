@@ -589,3 +589,32 @@ def test_the_budget_counts_the_width_really_fed_and_back_off_always_shrinks() ->
             FixedWidthRecipe(model, oom_above_tokens=8),
             params=list(model.parameters()),
         )
+
+
+def test_the_step_loss_is_read_from_the_device_once_however_many_micro_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a read (float, item) waits for the device: one per micro-batch would stall the host
+    # before every next forward on a GPU; the step's loss is read once, after the last backward
+    model = make_model()
+    rows = sample_rows(8)
+    reads: list[str] = []
+    real_float, real_item = torch.Tensor.__float__, torch.Tensor.item
+
+    def counting_float(self: torch.Tensor) -> float:
+        reads.append("float")
+        return real_float(self)
+
+    def counting_item(self: torch.Tensor) -> Any:
+        reads.append("item")
+        return real_item(self)
+
+    monkeypatch.setattr(torch.Tensor, "__float__", counting_float)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    loss = Guard(2).step(rows, SampleRecipe(model), params=list(model.parameters()))
+    monkeypatch.undo()
+
+    x = torch.stack([r["x"] for r in rows])
+    y = torch.stack([r["y"] for r in rows])
+    assert loss == pytest.approx(float(F.cross_entropy(model(x), y)), abs=1e-6)
+    assert len(reads) == 1, reads  # four micro-batches, one read
