@@ -107,7 +107,7 @@ def _job_keys(kind: str) -> frozenset[str]:
 
 _INT_KEYS = _job_keys("int") | {"budget_bytes", "predicted_peak_bytes"}
 _BOOL_KEYS = _job_keys("bool") | {"merge_lora"}
-_FLOAT_KEYS = frozenset({"safety_margin"})
+_FLOAT_KEYS = _job_keys("float") | {"safety_margin"}
 # a text, or a list of texts (several text columns; LoRA targets as a list)
 _TEXT_OR_LIST_KEYS = _job_keys("list[str]") | {"text_column", "report_to"}
 

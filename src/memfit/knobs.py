@@ -57,6 +57,14 @@ def finite_problem(flag: str, value: Any) -> str | None:
     return None
 
 
+def fraction_problem(flag: str, value: Any) -> str | None:
+    """The problem with ``value`` if it is not a number from 0 up to, not including, 1 (a
+    probability such as a dropout's), or None. NaN fails the comparison, so it is refused too."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1:
+        return None
+    return f"{flag}: must be a number in [0, 1), got {value!r}"
+
+
 def knob(
     help: str,
     *,
@@ -69,7 +77,8 @@ def knob(
     **extra: Any,
 ) -> Any:
     """A dataclass field that is a knob: its help line, flag (default ``--field-name``), allowed
-    values or lower bound (checked by :meth:`Job.problems`), and whether the CLI shows it."""
+    values or lower bound (checked by :meth:`Job.problems`), and whether the CLI shows it.
+    ``fraction=True`` (in ``extra``): a number in [0, 1), checked by :func:`fraction_problem`."""
     metadata = {"help": help, "flag": flag, "choices": choices, "minimum": minimum, "cli": cli}
     metadata |= extra
     if required:
@@ -112,6 +121,8 @@ def field_problems(
             problem = choice_problem(flag, value, f.metadata["choices"])
         elif f.metadata.get("minimum") is not None:
             problem = whole_problem(flag, value, f.metadata["minimum"], typed=typed)
+        elif f.metadata.get("fraction"):
+            problem = fraction_problem(flag, value)
         if problem:
             problems.append(problem)
     return problems

@@ -29,6 +29,7 @@ _MODEL_ONLY = (
     "sharding",
     "attn_implementation",
     "lora_target_modules",
+    "lora_dropout",
     "device",
 )
 _ACCEPTED_ALONE = tuple(name for name in STEP_FIELDS if name not in _MODEL_ONLY)

@@ -521,6 +521,8 @@ def _details(
         details["mini_batch_size"] = shape[0]
     if spec.lora_rank:
         details["lora_rank"] = spec.lora_rank
+        # the dropout traced on each adapted layer's input (0: none, nothing kept for backward)
+        details["lora_dropout"] = spec.lora_dropout
     details["weights"] = _weights_details(traced)
     if spec.task == "causal-lm" and spec.cross_entropy == "fused-linear":
         details["cross_entropy"] = _cross_entropy_details(traced.config, spec, shape)

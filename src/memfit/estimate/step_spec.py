@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.levers.lora import LORA_DROPOUT
+
 PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -28,6 +30,9 @@ class StepSpec:
     lora_rank: int = 0
     # which modules get them (see ``lora_target_modules``); empty: the architecture's default
     lora_targets: tuple[str, ...] = ()
+    # peft's dropout on each adapted layer's input: above 0 an nn.Dropout whose output (and mask)
+    # backward keeps, at 0 an nn.Identity that keeps nothing
+    lora_dropout: float = LORA_DROPOUT
     # the frozen base weights as bitsandbytes holds them ("none", "nf4", "fp4", "int8"; only with
     # LoRA) and, for 4-bit, whether the block scales are quantized again
     quantization: str = "none"

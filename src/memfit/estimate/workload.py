@@ -27,6 +27,7 @@ from memfit.estimate.optimizer_offload import HostSteppedOptimizer
 from memfit.estimate.step_spec import PRECISION_DTYPES, StepSpec
 from memfit.estimate.task_model import BiEncoder, lora_head_modules
 from memfit.extras import require
+from memfit.levers.lora import LORA_DROPOUT
 from memfit.step import weights
 
 # sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
@@ -266,10 +267,17 @@ def _lora_group(model_type: str, group: str) -> tuple[str, ...] | None:
     return tuple(default) if isinstance(default, (list, tuple)) else None
 
 
-def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] = ()) -> Any:
-    """The peft ``LoraConfig`` memfit trains and estimates: rank r, alpha = 2·r, dropout 0.1
-    (the usual recipe), the targets of :func:`lora_target_modules`; a classifier's head is
-    trained whole and saved with the adapter (``modules_to_save``)."""
+def lora_config(
+    model: nn.Module,
+    task: str,
+    rank: int,
+    targets: Sequence[str] = (),
+    dropout: float = LORA_DROPOUT,
+) -> Any:
+    """The peft ``LoraConfig`` memfit trains and estimates: rank r, alpha = 2·r, ``dropout``
+    (``--lora-dropout``; 0.1, the usual recipe, by default), the targets of
+    :func:`lora_target_modules`; a classifier's head is trained whole and saved with the adapter
+    (``modules_to_save``)."""
     from peft import LoraConfig  # optional: peft (memfit[lora])
 
     extra_heads = [
@@ -281,7 +289,9 @@ def lora_config(model: nn.Module, task: str, rank: int, targets: Sequence[str] =
         task_type=LORA_TASK_TYPES[task],
         r=rank,
         lora_alpha=2 * rank,
-        lora_dropout=0.1,
+        # above 0 peft's nn.Dropout keeps a dropped copy of each adapted layer's input for
+        # backward; at 0 its nn.Identity keeps none
+        lora_dropout=dropout,
         target_modules=lora_target_modules(model, task, targets),
         # peft's SEQ_CLS adds "classifier" and "score" itself (and matches names by their end)
         modules_to_save=extra_heads or None,
@@ -294,13 +304,17 @@ def with_lora(model: nn.Module, spec: StepSpec) -> nn.Module:
     get_peft_model = require("peft", "--lora-rank").get_peft_model
     if isinstance(model, BiEncoder):
         config = lora_config(
-            model.transformer, "sentence-embedding", spec.lora_rank, spec.lora_targets
+            model.transformer,
+            "sentence-embedding",
+            spec.lora_rank,
+            spec.lora_targets,
+            spec.lora_dropout,
         )
         model.transformer = get_peft_model(model.transformer, config)  # type: ignore[arg-type]
         if model.classifier is not None:
             model.classifier.requires_grad_(True)
         return model
-    config = lora_config(model, spec.task, spec.lora_rank, spec.lora_targets)
+    config = lora_config(model, spec.task, spec.lora_rank, spec.lora_targets, spec.lora_dropout)
     return get_peft_model(model, config)  # type: ignore[arg-type, return-value]
 
 

@@ -14,6 +14,9 @@ from memfit.levers.cure import Fix, Patient
 
 # the rank a plan gives adapters when it adds them
 LORA_RANK = 8
+# peft's dropout on each adapted layer's input when the job gives none (the usual recipe); at 0
+# peft puts nn.Identity there, and the step keeps no dropped copy of the input for backward
+LORA_DROPOUT = 0.1
 
 
 @dataclass(kw_only=True)
@@ -27,6 +30,13 @@ class LoraKnobs:
         shown_default="attention",
     )
     """Which layers get adapters (groups or module names); only with a rank."""
+    lora_dropout: float | None = knob(
+        "LoRA dropout on each adapted layer's input (peft), in [0, 1); 0: none.",
+        fraction=True,
+        shown_default=str(LORA_DROPOUT),
+    )
+    """The adapters' dropout probability (peft's ``lora_dropout``; None: :data:`LORA_DROPOUT`);
+    above 0 each adapted layer keeps a dropped copy of its input for backward. Only with a rank."""
 
 
 class Lora(Lever):
@@ -37,13 +47,17 @@ class Lora(Lever):
     allow: ClassVar[bool] = True
     tier: ClassVar[int] = 4
     summary: ClassVar[str] = "LoRA adapters on a frozen base (peft)"
-    # a rank the job gives is the job: a plan keeps it as given (the targets are LoRA's default)
-    pins: ClassVar[tuple[str, ...]] = ("lora_rank",)
+    # a rank the job gives is the job: a plan keeps it and its dropout as given (the targets are
+    # LoRA's default)
+    pins: ClassVar[tuple[str, ...]] = ("lora_rank", "lora_dropout")
 
     def problems(self, job: Job) -> list[str]:
+        problems: list[str] = []
         if job.lora_target_modules and not whole(job.lora_rank):
-            return ["--lora-target-modules: only with --lora-rank R (LoRA adapters)"]
-        return []
+            problems.append("--lora-target-modules: only with --lora-rank R (LoRA adapters)")
+        if job.lora_dropout is not None and not whole(job.lora_rank):
+            problems.append("--lora-dropout: only with --lora-rank R (LoRA adapters)")
+        return problems
 
     def flags(
         self, values: Mapping[str, Any], renames: Mapping[str, str] | None = None
@@ -55,9 +69,10 @@ class Lora(Lever):
 
     def plan_options(self, room: Room) -> tuple[dict[str, Any], ...]:
         # a rank the job gives is the job itself, not a lever; 0: full fine-tuning
-        pinned = room.job.lora_rank
+        pinned, dropout = room.job.lora_rank, room.job.lora_dropout
         if pinned:
-            return ({"lora_rank": pinned},)
+            # the job's dropout goes with its own adapters (the job's checks refuse it without)
+            return ({"lora_rank": pinned} | ({} if dropout is None else {"lora_dropout": dropout}),)
         ranks = (0, LORA_RANK) if self.name in room.allowed else (0,)
         return tuple({"lora_rank": r} for r in ranks)
 

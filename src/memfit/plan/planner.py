@@ -323,12 +323,20 @@ def _pins(function: str, given: Mapping[str, Any]) -> dict[str, Any]:
 
 def _pinned(job: Job) -> dict[str, Any]:
     """The job's own values of the :data:`PINS`, as the commands a plan prints give them (None:
-    not given, or the plain value: rank 0, plain weights)."""
+    not given, or the plain value: rank 0, plain weights; a fraction such as a dropout is its
+    value even at 0)."""
     out: dict[str, Any] = {}
     for lever in levers.LEVERS:
         given = lever.as_given(lever.values(job))
-        out |= {name: given[name] or None for name in lever.pins}
+        out |= {
+            name: given[name] if _FRACTIONS.get(name) else given[name] or None
+            for name in lever.pins
+        }
     return out
+
+
+# the job's fields that are fractions (a dropout): 0 is a value there, not "off"
+_FRACTIONS = {f.name: bool(f.metadata.get("fraction")) for f in dataclasses.fields(Job)}
 
 
 def _with_pins(function: Callable[..., Any]) -> None:

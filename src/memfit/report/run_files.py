@@ -113,6 +113,13 @@ def measured(value: Any) -> str | None:
     return f"{_shown(value)} is not a number (an int within ±1e300, or a float)"
 
 
+def fraction(value: Any) -> str | None:
+    """A number in [0, 1) (a dropout probability)."""
+    if _is_number(value) and _finite(value) and 0 <= value < 1:
+        return None
+    return f"{_shown(value)} is not a number in [0, 1)"
+
+
 def text(value: Any) -> str | None:
     return None if isinstance(value, str) else f"{_shown(value)} is not a string"
 
@@ -240,13 +247,15 @@ _JOB_HINTS = typing.get_type_hints(Job)
 def _knob_check(knob: dataclasses.Field[Any], hint: Any) -> Check:
     """What memfit train writes for a knob of the job (its field's type ``hint``, resolved as
     :func:`typing.get_type_hints` gives it, and its bound): a flag, a list of names, a whole
-    number from the knob's bound (``--lora-rank 0``: full fine-tuning), else a string (a
-    choice)."""
+    number from the knob's bound (``--lora-rank 0``: full fine-tuning), a fraction
+    (``--lora-dropout``), else a string (a choice)."""
     kinds = (hint, *typing.get_args(hint))  # ``T | None``: T among the union's members
     if bool in kinds:
         return flag
     if any(typing.get_origin(kind) is list for kind in kinds):
         return strings
+    if knob.metadata.get("fraction"):
+        return fraction
     minimum = knob.metadata.get("minimum")
     return text if minimum is None else count(minimum)
 
@@ -389,10 +398,13 @@ FROM_THE_RUN = (
 
 
 def _fits(knob: dataclasses.Field[Any], value: Any) -> bool:
-    """``value`` is one of the knob's choices, or a whole number within its bound."""
+    """``value`` is one of the knob's choices, a whole number within its bound, or a fraction
+    in [0, 1)."""
     choices, minimum = knob.metadata.get("choices"), knob.metadata.get("minimum")
     if choices is not None:
         return value in choices
+    if knob.metadata.get("fraction"):
+        return fraction(value) is None
     return minimum is None or whole(value, minimum)
 
 

@@ -28,6 +28,7 @@ from memfit.errors import UsageError
 from memfit.extras import problems as missing_packages
 from memfit.job import JOB_FIELDS, Job
 from memfit.knobs import finite_problem, flag_of, knob, whole_problem
+from memfit.levers.lora import LORA_DROPOUT
 from memfit.levers.optimizer import OPTIMIZER_TABLE
 from memfit.levers.packing import (
     DEFAULT_PACKING_STRATEGY,
@@ -76,6 +77,7 @@ SHOWN_DEFAULTS: dict[str, str] = {
     f"is given, else {Job.effective_batch_size}",
     "loss": "mnrl",
     "lora_target_modules": "attention",
+    "lora_dropout": str(LORA_DROPOUT),
     "device": "cuda if present",
     "cache_dir": "the datasets cache",
     "packing_strategy": "bfd",

@@ -33,6 +33,7 @@ from torch import nn
 from memfit.errors import UsageError
 from memfit.estimate.workload import StepSpec, lora_config, with_lora
 from memfit.extras import require
+from memfit.levers.lora import LORA_DROPOUT
 from memfit.train.quantization import (
     holds_quantized_weights,
     merged_unquantized,
@@ -103,13 +104,15 @@ def add_lora(recipe: Any, cfg: Any) -> None:
     device): the base is frozen, only the adapters (and a classifier's head) train."""
     require("peft", "--lora-rank")
     targets = tuple(cfg.lora_target_modules or ())
+    # --lora-dropout, else peft's usual 0.1: the estimator traces the same dropout modules
+    dropout = LORA_DROPOUT if cfg.lora_dropout is None else cfg.lora_dropout
     with _quiet_peft():
         if cfg.task == "sentence-embedding":
             # sentence-transformers' own peft integration: the adapters go into its transformer
             # in place, and SentenceTransformer(folder) loads the saved adapter folder back
             model = recipe.model
             inner = _sentence_transformer_backbone(model)
-            config = lora_config(inner, "sentence-embedding", cfg.lora_rank, targets)
+            config = lora_config(inner, "sentence-embedding", cfg.lora_rank, targets, dropout)
             config.task_type = None  # the transformers integration takes the bare LoRA config
             model.add_adapter(config)
             peft_config: Any = inner.peft_config
@@ -117,7 +120,12 @@ def add_lora(recipe: Any, cfg: Any) -> None:
             # the estimator's own function: the same adapters it counts
             recipe.model = with_lora(
                 recipe.model,
-                StepSpec(task=cfg.task, lora_rank=cfg.lora_rank, lora_targets=targets),
+                StepSpec(
+                    task=cfg.task,
+                    lora_rank=cfg.lora_rank,
+                    lora_targets=targets,
+                    lora_dropout=dropout,
+                ),
             )
             peft_config = recipe.model.peft_config
     base = Path(str(cfg.model)).expanduser()

@@ -150,7 +150,9 @@ def plan_knobs(
         plan_options["allow"] = ("lora",)
     if quantized(cfg):
         # QLoRA: the plan counts the run's own adapters on its quantized base weights
-        plan_options.update(lora_rank=cfg.lora_rank, **QUANTIZATION.values(cfg))
+        plan_options.update(
+            lora_rank=cfg.lora_rank, lora_dropout=cfg.lora_dropout, **QUANTIZATION.values(cfg)
+        )
     # the run's weights and token loss, as given (the plan may choose the loss when not)
     for name in ("weights_dtype", "cross_entropy"):
         if getattr(cfg, name) is not None:
@@ -291,7 +293,8 @@ class RunSetup:
             recipe.model = prepare_quantized(recipe.model, cfg)
         if cfg.lora_rank:
             # the adapters the estimator counts (its own function picks the targets), alpha 2r,
-            # dropout 0.1; a target name the model lacks is exit 2 here, before anything is written
+            # --lora-dropout (0.1 by default); a target name the model lacks is exit 2 here,
+            # before anything is written
             add_lora(recipe, cfg)
         # each weight in its dtype: peft's k-bit preparation upcast the frozen leftovers to fp32,
         # peft keeps adapters as it likes, a classifier's fresh head loaded with the frozen base

@@ -87,6 +87,12 @@ def _summary(real: StepRecord, traced: StepRecord) -> str:
     [
         pytest.param("llama", "causal-lm", {}, id="llama-train"),
         pytest.param("llama", "causal-lm", {"mode": "eval"}, id="llama-eval"),
+        # peft's LoRA: nn.Dropout on each adapted layer's input (a dropped copy and its mask kept
+        # for backward) at the default 0.1, nn.Identity (nothing kept) at --lora-dropout 0
+        pytest.param("llama", "causal-lm", {"lora_rank": 4}, id="llama-lora"),
+        pytest.param(
+            "llama", "causal-lm", {"lora_rank": 4, "lora_dropout": 0.0}, id="llama-lora-no-dropout"
+        ),
         pytest.param(
             "llama",
             "causal-lm",

@@ -35,6 +35,7 @@ def test_the_pins_are_the_levers_and_the_keywords_of_plan() -> None:
     assert tuple(name for lever in LEVERS for name in lever.pins) == PINS
     assert set(PINS) == {
         "lora_rank",
+        "lora_dropout",
         "quantization",
         "double_quant",
         "weights_dtype",
@@ -75,6 +76,7 @@ def test_the_plan_keeps_the_pins_as_the_commands_give_them() -> None:
     qlora = Job(model="m", task="causal-lm", lora_rank=8, quantization="nf4", double_quant=True)
     assert _pinned(qlora) == {
         "lora_rank": 8,
+        "lora_dropout": None,
         "quantization": "nf4",
         "double_quant": True,
         "weights_dtype": None,
