@@ -27,9 +27,10 @@ Usage::
         # 16 cases of the levers since the last GPU run: QLoRA nf4/int8, 8-bit and paged
         # optimizers, 16-bit bases and pure bf16, fused-linear cross-entropy (Liger on CUDA),
         # activation offloading (TRL) and optimizer offload (torchao), round-robin by kind
-    python bench/gpu_validate.py --plans-only --out DIR --time-budget 80
-        # no estimator cases: three plans (bert-base, gpt2, LoRA on Qwen2.5-0.5B), each run for
-        # real under set_per_process_memory_fraction(budget); "fits" per plan
+    python bench/gpu_validate.py --plans-only --out DIR --time-budget 60
+        # no estimator cases: three plans (bert-base, gpt2, LoRA on SmolLM2-135M), made at once
+        # in three processes, each run for real under set_per_process_memory_fraction(budget);
+        # "fits" per plan
     python bench/gpu_validate.py --models gpt2 --precisions bf16 --limit 5
     python bench/gpu_validate.py --plan-check          # + memfit.plan against real runs under a budget
     python bench/gpu_validate.py --list                # print the cases, run nothing
@@ -37,9 +38,14 @@ Usage::
     python bench/gpu_validate.py --smoke --new-knobs   # ... of the --new-knobs path (tiny configs)
     python bench/gpu_validate.py --smoke --plans-only  # ... of the --plans-only path (real planner)
 
-Each case's child is started ``--prefetch`` cases ahead (default 2): it imports and builds its
-model on the CPU, then waits until the previous child has exited before it touches the GPU (on
-the last H100 run a child spent 10-15 s before its first step). Offloading and the fused loss
+Each case's child is started ``--prefetch`` cases ahead (default 3): it imports and builds its
+model on the CPU, its random init skipped (the weights are drawn on the GPU after the move: the
+same tensors, moved in the same order), then waits until the previous child has exited before it
+touches the GPU. A quantized base is built on the GPU after that go (bitsandbytes quantizes on the
+device it is moved to; LLM.int8 runs its matmul where its weight was quantized); its child only
+imports ahead. After the measured step the child records the caching allocator's segments
+(``measured.segments``: sizes, allocated bytes, free blocks, stream), and the parent the
+estimator's replayed ones (``estimated.segments``), to tell where a reserved peak differs. Offloading and the fused loss
 run what memfit train runs on CUDA: TRL's activation offloading context, torchao's
 CPUOffloadOptimizer, Liger Kernel's fused linear cross-entropy (memfit's own where liger-kernel
 does not import; the row's ``measured.implementations`` says which ran). A case that fails for an
@@ -68,11 +74,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,9 +98,10 @@ WARMUP_STEPS = 2
 SEED = 0
 DEFAULT_OUT = ROOT / "bench" / "results"
 DEFAULT_TIMEOUT_S = 300.0  # per child process
-# children preparing (imports, the model built on the CPU) while another measures: on the 16
-# cores of the GPU machines three at once stay below a core each
-DEFAULT_PREFETCH = 2
+# children preparing (imports, the model built on the CPU without its random init) while another
+# measures: a child's preparation took 12-16 s of imports on the H200 host, three children's
+# turns on the GPU about 18 s; four processes at once on its 16 cores
+DEFAULT_PREFETCH = 3
 DEFAULT_TIME_BUDGET_S = 500.0  # the whole run stays under 9 minutes even on a slow host
 STDERR_TAIL_CHARS = 3000
 # settings that change what the allocator or cuBLAS hold; memfit models the defaults, so the
@@ -281,8 +290,11 @@ QLORA_CASES: tuple[Case, ...] = (
 # --new-knobs: the estimator on what changed since the last GPU run, one group per kind of lever,
 # interleaved round-robin (a run cut short still has some of each), the most informative case of
 # each group first. Sized for an H100: small embedded models (SmolLM2-135M, Qwen2.5-0.5B, gpt2, one
-# Llama-3.2-1B), short shapes, so that each child (import, build, 2 warm-up steps, 1 measured) takes
-# 6-10 s and the 16 cases about 150 s. Qwen2.5-0.5B's, SmolLM2's and Llama-3.2's configs say bf16,
+# Llama-3.2-1B), short shapes. On the H200 host a child's turn on the GPU (its go to its exit: the
+# move, 2 warm-up steps, 1 measured, the probe) took 2.5-8 s (16 s for Qwen's optimizer offload,
+# now SmolLM2's), about 100 s for the 16 cases; its preparation (12-16 s of imports, the CPU build
+# without its random init) overlaps the turns of the three before it. Qwen2.5-0.5B's, SmolLM2's
+# and Llama-3.2's configs say bf16,
 # so weights_dtype "auto" holds their frozen base in bf16 (LoRA adapters in fp32 over it); gpt2's
 # says nothing: fp32
 QWEN, SMOLLM, LLAMA = "Qwen/Qwen2.5-0.5B", "HuggingFaceTB/SmolLM2-135M", "meta-llama/Llama-3.2-1B"
@@ -360,7 +372,10 @@ NEW_KNOB_GROUPS: tuple[tuple[str, tuple[Case, ...]], ...] = (
     (
         "optimizer offload",
         (
-            Case(QWEN, LM, 4, 512, "bf16", optimizer_offload="cpu"),
+            # SmolLM2, not Qwen2.5-0.5B: the same bf16 mixed-precision offload, a quarter of the
+            # host-side AdamW (Qwen's took 16 s after its go on the H200 host: pinned buffers for
+            # 2 GB of fp32 master weights, three CPU AdamW steps)
+            Case(SMOLLM, LM, 4, 512, "bf16", optimizer_offload="cpu"),
             Case("gpt2", LM, 4, 512, "fp32", optimizer_offload="cpu"),
         ),
     ),
@@ -407,11 +422,13 @@ PLANS_ONLY: tuple[tuple[str, str, int, int, dict[str, Any]], ...] = (
         5 * GiB,
         {"effective_batch_size": 32, "cross_entropy": "standard", **PLAN_PINS},
     ),
+    # LoRA with the fused loss on SmolLM2-135M (Qwen2.5-0.5B's plan took 22 s of a 2-core CPU,
+    # SmolLM2's 15 s: the same levers, the same planner): micro-batch 32 needs about 17 GiB
     (
-        QWEN,
+        SMOLLM,
         LM,
         512,
-        3 * GiB,
+        2 * GiB,
         {"effective_batch_size": 32, "lora_rank": 16, "cross_entropy": "fused-linear", **PLAN_PINS},
     ),
 )
@@ -700,6 +717,96 @@ class DeviceProbe:
         }
 
 
+# the caching allocator's segments kept in a row (the largest; the rest are counted)
+SEGMENTS_KEPT = 40
+FREE_BLOCKS_KEPT = 8
+
+
+def segment_summary(segments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A compact account of a caching allocator's segments, measured or replayed: each segment
+    (``total``, ``allocated`` bytes, ``free_blocks``: the sizes of its inactive blocks, ``stream``,
+    ``pool``) in MiB, the ``SEGMENTS_KEPT`` largest listed (their largest free blocks first), the
+    rest counted; totals per stream and pool. Where the reserved peak differs from the estimate,
+    the two lists show which segments the replay lacks or holds too many of."""
+
+    def mib(n: float) -> float:
+        return round(n / MiB, 2)
+
+    ordered = sorted(segments, key=lambda seg: (-int(seg["total"]), -int(seg["allocated"])))
+    listed = []
+    for seg in ordered[:SEGMENTS_KEPT]:
+        free = sorted((int(b) for b in seg["free_blocks"] if b), reverse=True)
+        listed.append(
+            {
+                "mib": mib(seg["total"]),
+                "allocated_mib": mib(seg["allocated"]),
+                "free_mib": [mib(b) for b in free[:FREE_BLOCKS_KEPT]],
+                "free_blocks": len(free),
+                "stream": seg["stream"],
+                "pool": seg["pool"],
+            }
+        )
+    rest = ordered[SEGMENTS_KEPT:]
+    by_stream: dict[str, dict[str, float]] = {}
+    by_pool: dict[str, dict[str, float]] = {}
+    for seg in ordered:
+        for table, key in ((by_stream, str(seg["stream"])), (by_pool, str(seg["pool"]))):
+            entry = table.setdefault(key, {"segments": 0, "mib": 0.0, "allocated_mib": 0.0})
+            entry["segments"] += 1
+            entry["mib"] += seg["total"] / MiB
+            entry["allocated_mib"] += seg["allocated"] / MiB
+    for table in (by_stream, by_pool):
+        for entry in table.values():
+            entry["mib"], entry["allocated_mib"] = (
+                round(entry["mib"], 2),
+                round(entry["allocated_mib"], 2),
+            )
+    return {
+        "segments": len(ordered),
+        "reserved_mib": mib(sum(int(seg["total"]) for seg in ordered)),
+        "allocated_mib": mib(sum(int(seg["allocated"]) for seg in ordered)),
+        "largest_free_mib": mib(
+            max((int(b) for seg in ordered for b in seg["free_blocks"]), default=0)
+        ),
+        "by_stream": by_stream,
+        "by_pool": by_pool,
+        "largest": listed,
+        "rest": {
+            "segments": len(rest),
+            "mib": mib(sum(int(seg["total"]) for seg in rest)),
+            "allocated_mib": mib(sum(int(seg["allocated"]) for seg in rest)),
+        },
+    }
+
+
+def cuda_segments() -> dict[str, Any] | None:
+    """The caching allocator's segments now (``torch.cuda.memory._snapshot()``), summarised by
+    :func:`segment_summary`; None without CUDA, an ``error`` where the snapshot fails."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    try:
+        snapshot = torch.cuda.memory._snapshot()
+        device = torch.cuda.current_device()
+        segments = [
+            {
+                "total": int(seg["total_size"]),
+                "allocated": int(seg["allocated_size"]),
+                "free_blocks": [
+                    int(b["size"]) for b in seg.get("blocks", []) if b.get("state") == "inactive"
+                ],
+                "stream": int(seg.get("stream", 0)),
+                "pool": str(seg.get("segment_type", "?")),
+            }
+            for seg in snapshot.get("segments", [])
+            if int(seg.get("device", device)) == device
+        ]
+        return segment_summary(segments)
+    except Exception as exc:  # a diagnostic: never the case's failure
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def _peak_rss_bytes() -> int:
     try:
         import resource
@@ -843,6 +950,107 @@ def make_offload(spec: Any, model: Any, device: str) -> Callable[[], Any]:
     return lambda: context
 
 
+# torch.nn.init's random initialisers: the CPU build of a child skips them (a 16-bit model's random
+# init took a Qwen2.5-0.5B build 30 s of CPU on the H200 host) and the weights are drawn on the
+# device after the move instead (:func:`draw_weights`); the deterministic ones (ones, zeros,
+# constants: norms, biases, buffers) still run, so the model is the one the estimator builds, tied
+# weights included
+RANDOM_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextlib.contextmanager
+def random_init_skipped() -> Iterator[None]:
+    """torch.nn.init's random initialisers (and transformers' own table of them, which its
+    ``_init_weights`` calls) as no-ops while a model is built: its weights stay uninitialised
+    until :func:`draw_weights` fills them on the device. Shapes, dtypes, ties and buffers are
+    those of a normal build."""
+    from torch.nn import init
+
+    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    saved: list[tuple[Any, str, Any]] = []
+    tables: list[Any] = [init]
+    with contextlib.suppress(ImportError):
+        # transformers 5 keeps the torch functions in a table its wrappers call
+        table = getattr(
+            importlib.import_module("transformers.initialization"), "TORCH_INIT_FUNCTIONS", None
+        )
+        if isinstance(table, dict):
+            tables.append(table)
+    try:
+        for owner in tables:
+            for name in RANDOM_INITS:
+                if isinstance(owner, dict) and name in owner:
+                    saved.append((owner, name, owner[name]))
+                    owner[name] = skip
+                elif not isinstance(owner, dict) and hasattr(owner, name):
+                    saved.append((owner, name, getattr(owner, name)))
+                    setattr(owner, name, skip)
+        yield
+    finally:
+        for owner, name, function in reversed(saved):
+            if isinstance(owner, dict):
+                owner[name] = function
+            else:
+                setattr(owner, name, function)
+
+
+def draw_weights(model: Any) -> None:
+    """The weights a skipped random init left empty, drawn in place where they now live (on the
+    GPU: no allocation, milliseconds): N(0, 0.02) for every floating matrix and embedding, as
+    transformers' init draws them; vectors (norms, biases) keep the deterministic values they were
+    built with. Values never change what a step allocates here, but they must be finite."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in {id(p): p for p in model.parameters()}.values():
+            if parameter.is_floating_point() and parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.02)
+
+
+def build_step_model(config: Any, spec: Any, device: str, *, on_device: bool) -> Any:
+    """The step's model as the estimator's workload builds it. ``on_device``: built on ``device``
+    (a quantized base: bitsandbytes quantizes each weight on the device it is on, and LLM.int8's
+    matmul runs where its weight was quantized), its random init drawn there; otherwise built on
+    the CPU without its random init (the caller moves it and then calls :func:`draw_weights`)."""
+    import torch
+
+    from memfit.estimate import workload
+
+    torch.manual_seed(SEED)
+    if on_device:
+        with torch.device(device):
+            return workload.build_model(config, spec)
+    with random_init_skipped():
+        return workload.build_model(config, spec)
+
+
+def warm_imports(config: Any, spec: Any) -> None:
+    """What a build imports (transformers' model classes, peft, bitsandbytes), without building
+    anything: the step's model on the meta device, the quantized layers emulated there. A child
+    started ahead does this instead of building a model it must build on the device."""
+    import torch
+
+    from memfit.estimate import workload
+
+    for module in ("peft", "bitsandbytes", "transformers.integrations.bitsandbytes"):
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+    with contextlib.suppress(Exception), torch.device("meta"):
+        workload.build_model(config, spec)
+
+
 def _child_run(request: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     device = request["device"]
@@ -860,15 +1068,26 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
     config = resolve_model(request["model"]).config
     timings: dict[str, float] = {"import_s": time.perf_counter() - started}
     model = None
+    # a quantized base is built on the device, after "go" (see build_step_model); a plan's
+    # knobs come with its "go"
+    on_device = spec.quantization != "none"
     if prepare_first:
         # started ahead while another child measures: import and build on the CPU (nothing on
         # the device), then wait for the parent's "go", sent once no other child holds the GPU
         t = time.perf_counter()
-        torch.manual_seed(SEED)
-        model = workload.build_model(config, spec)
+        if on_device or request["kind"] == "plan":
+            warm_imports(config, spec)
+        else:
+            model = build_step_model(config, spec, device, on_device=False)
         timings["cpu_build_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        if sys.stdin.readline().strip() != "go":
+        line = sys.stdin.readline().strip()
+        if line.startswith("{"):
+            # the go of a plan check carries the plan's knobs (planned while this child imported)
+            request.update(json.loads(line))
+            spec = _spec_for(request)
+            on_device = spec.quantization != "none"
+        elif line != "go":
             return {"status": "cancelled", "error": "the parent sent no go", "timings": timings}
         timings["waited_s"] = time.perf_counter() - t
         probe = DeviceProbe(device)
@@ -884,9 +1103,21 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
         t = time.perf_counter()
         implementations = lever_implementations(spec, device)
         if model is None:
+            model = build_step_model(config, spec, device, on_device=on_device)
+        if on_device:
+            # built there already (a no-op move, kept for any tensor a module put elsewhere)
+            model = model.to(device)
+            if device == "cuda":
+                # the unquantized copies the build cast and quantized are freed: their cached
+                # segments go, as a model loaded quantized never held them
+                torch.cuda.empty_cache()
+        else:
+            # moved tensor by tensor, as the estimator's replay places the model; then its random
+            # weights drawn in place
+            model = model.to(device)
             torch.manual_seed(SEED)
-            model = workload.build_model(config, spec)
-        model = model.to(device)
+            draw_weights(model)
+        timings["move_s"] = time.perf_counter() - t
         optimizer = make_step_optimizer(spec, model, device) if spec.mode == "train" else None
         offload = make_offload(spec, model, device)
         autocast = workload.default_autocast(spec, device)
@@ -932,7 +1163,10 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
         step()
         probe.synchronize()
         timings["step_s"] = time.perf_counter() - t
+        # the segments the measured step left reserved (none are returned: they are its peak's)
+        segments = cuda_segments() if device == "cuda" else None
         stats = probe.final()
+        stats["segments"] = segments
         stats["warmup_allocated_peak_bytes"] = warm["allocated_peak_bytes"]
         stats["warmup_reserved_peak_bytes"] = warm["reserved_peak_bytes"]
         return {
@@ -1069,15 +1303,21 @@ class ChildPool:
         for ahead in range(index, index + (self.depth + 1 if self.depth else 1)):
             self._start(ahead)
 
-    def run(self, index: int, timeout_s: float) -> dict[str, Any]:
-        """Case ``index``'s result (never raises); starts the next ``depth`` children first."""
+    def run(
+        self, index: int, timeout_s: float, update: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Case ``index``'s result (never raises); starts the next ``depth`` children first.
+        ``update``: knobs the go carries to a child started ahead (a plan's), as one JSON line;
+        a child started now gets its whole request."""
+        if update is not None and not self.depth:
+            self.requests[index] = {**self.requests[index], **update}
         self.start_ahead(index)
         process, out, err, spawned = self.children.pop(index)
         started = time.perf_counter()
         try:
             if self.depth and process.stdin is not None:
                 with contextlib.suppress(OSError):
-                    process.stdin.write("go\n")
+                    process.stdin.write("go\n" if update is None else json.dumps(update) + "\n")
                     process.stdin.flush()
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -1130,14 +1370,74 @@ def _parse_child(stdout: str, stderr: str, returncode: int | None) -> dict[str, 
     return result
 
 
+# the replayed caching allocators of the estimate running in this thread (record_replays)
+_REPLAYS = threading.local()
+
+
+def record_replays() -> None:
+    """Make memfit's CUDA replay (``memfit.estimate.replay.CudaMemory``) note each caching
+    allocator it creates in the thread that asked, so that an estimate's replayed segments can be
+    set beside the measured ones. A wrapper in this bench, once per process; memfit unchanged."""
+    from memfit.estimate import replay
+
+    if getattr(replay.CudaMemory, "recorded_by_gpu_validate", False):
+        return
+    shipped = replay.CudaMemory
+
+    class RecordedCudaMemory(shipped):  # type: ignore[misc, valid-type]
+        recorded_by_gpu_validate = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            allocators = getattr(_REPLAYS, "allocators", None)
+            if allocators is not None:
+                allocators.append(self.allocator)
+
+    replay.CudaMemory = RecordedCudaMemory  # type: ignore[misc]
+
+
+def replayed_segments(allocators: Sequence[Any], reserved: int | None) -> dict[str, Any] | None:
+    """The segments of the replay whose reserved peak is the estimate's (else the last replay),
+    summarised as the child's measured ones (one stream: the replay models the default one)."""
+    if not allocators:
+        return None
+    chosen = next((a for a in allocators if a.max_reserved == reserved), allocators[-1])
+    try:
+        from memfit.estimate import device as memfit_device
+
+        blocks: dict[int, list[Any]] = {}
+        for block in chosen._blocks.values():
+            blocks.setdefault(block.segment, []).append(block)
+        segments = [
+            {
+                "total": end - start,
+                "allocated": sum(b.size for b in blocks.get(start, []) if not b.free),
+                "free_blocks": [b.size for b in blocks.get(start, []) if b.free],
+                "stream": 0,
+                "pool": "small" if end - start == memfit_device.K_SMALL_BUFFER else "large",
+            }
+            for start, end in chosen._segment_end.items()
+        ]
+    except Exception as exc:  # memfit's allocator replay changed its insides: say so
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    summary = segment_summary(segments)
+    summary["replays"] = len(allocators)
+    summary["matches_reserved_peak"] = chosen.max_reserved == reserved
+    return summary
+
+
 def estimate_case(case: Case, device: str) -> tuple[dict[str, Any] | None, str | None]:
     """memfit's estimate of a case as a JSON-able dict, or the error it raised."""
+    _REPLAYS.allocators = []
     try:
         from memfit.estimate import estimate
 
+        record_replays()
         est = estimate(case.model, device=device, **case.estimate_kwargs())
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        allocators, _REPLAYS.allocators = _REPLAYS.allocators, None
     details = est.details
     return {
         "total_bytes": int(est.total_bytes),
@@ -1159,6 +1459,9 @@ def estimate_case(case: Case, device: str) -> tuple[dict[str, Any] | None, str |
         "host": details.get("host"),
         "weights": details.get("weights"),
         "cross_entropy": details.get("cross_entropy"),
+        # the replayed allocator's segments at the end of the steady step (None: no CUDA replay,
+        # or the estimate came from a cache), beside the child's measured.segments
+        "segments": replayed_segments(allocators, details.get("reserved_peak_bytes")),
     }, None
 
 
@@ -1534,6 +1837,17 @@ class Deadline:
         elapsed = time.perf_counter() - self.started
         return elapsed + elapsed / self.children <= self.budget_s
 
+    def allows(self, expected_s: float) -> bool:
+        """Whether something expected to take ``expected_s`` more ends within the budget."""
+        left = self.left()
+        return left is None or expected_s <= left
+
+    def left(self) -> float | None:
+        """Seconds left of the budget (None: no limit)."""
+        if not self.budget_s:
+            return None
+        return self.budget_s - (time.perf_counter() - self.started)
+
     def tick(self) -> None:
         self.children += 1
 
@@ -1712,6 +2026,56 @@ def _brief(obj: Any, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+def plan_pool(workers: int) -> Any:
+    """Where the plans are made: ``workers`` spawned processes (the planner is Python-heavy
+    tracing, one GIL per process: on the 16 cores of the GPU hosts the three plans of
+    --plans-only take the longest one's time, not their sum; a fork would inherit this process's
+    CUDA), or one thread of this process when ``workers`` is 1 or processes cannot start."""
+    if workers > 1:
+        import multiprocessing
+
+        with contextlib.suppress(Exception):
+            return ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn")
+            )
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-plan")
+
+
+def _stop_pool(pool: Any) -> None:
+    """Shut a plan pool down without waiting; a process still planning is ended (its plan is
+    left out), so that the run does not wait for it at exit."""
+    processes = list(getattr(pool, "_processes", None) or {})
+    workers = dict(getattr(pool, "_processes", None) or {})
+    pool.shutdown(wait=False, cancel_futures=True)
+    for pid in processes:
+        with contextlib.suppress(Exception):
+            workers[pid].terminate()
+
+
+def plan_base_request(
+    model: str,
+    task: str,
+    seq_len: int,
+    budget: int,
+    options: Mapping[str, Any] | None,
+    device: str,
+    device_total: int | None,
+    optimizer_steps: int,
+) -> dict[str, Any]:
+    """A plan check's child request before its plan is known: the pinned knobs (a child started
+    ahead imports what they build), the budget and its cap; the plan's knobs come with the go."""
+    pins = {k: v for k, v in (options or {}).items() if k in Case.__dataclass_fields__}
+    return {
+        "kind": "plan",
+        **Case(model, task, 1, seq_len, **pins).knobs(),
+        "device": device,
+        "optimizer_steps": optimizer_steps,
+        "budget_bytes": budget,
+        # the allocator may reserve up to the budget (the CUDA context comes on top)
+        "memory_fraction": None if not device_total else min(1.0, budget / device_total),
+    }
+
+
 def run_plan_checks(
     planner: Callable[..., Any],
     checks: Sequence[tuple[Any, ...]],
@@ -1722,21 +2086,54 @@ def run_plan_checks(
     device_total: int | None,
     deadline: Deadline | None = None,
     optimizer_steps: int = PLAN_OPTIMIZER_STEPS,
+    prefetch: int | None = None,
+    plan_workers: int | None = None,
 ) -> None:
     """For each (model, task, seq_len, budget[, the plan's keywords]): plan, then run the plan
-    for real (``optimizer_steps`` optimizer steps) under the budget."""
+    for real (``optimizer_steps`` optimizer steps) under the budget.
+
+    The plans are made at once in ``plan_workers`` processes (default: one per check) while the
+    checks' children, started ``prefetch`` checks ahead (default: all at once; 0: each at its
+    turn), import; a child gets its plan's knobs with its go, when the previous one has exited. A check starts only when its plan is made and the
+    longest plan run so far still ends within the time budget."""
     deadline = deadline or Deadline()
     print(f"\nplan check ({optimizer_steps} optimizer steps of each plan):", flush=True)
-    # the plans are made in one background thread, in order, while the children run (as the
-    # estimates are: the planner is Python-heavy tracing, the children wait on the GPU)
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-plan")
+    requests = [
+        plan_base_request(
+            model,
+            task,
+            seq_len,
+            budget,
+            more[0] if more else None,
+            device,
+            device_total,
+            optimizer_steps,
+        )
+        for model, task, seq_len, budget, *more in checks
+    ]
+    depth = len(requests) if prefetch is None else prefetch
+    children = ChildPool(requests, depth)
+    pool = plan_pool(len(checks) if plan_workers is None else plan_workers)
     try:
         futures = [
             pool.submit(ask_plan, planner, model, task, seq_len, budget, more[0] if more else None)
             for model, task, seq_len, budget, *more in checks
         ]
+        if depth:
+            children.start_ahead(0)
+        longest_run = 0.0
         for index, future in enumerate(futures):
-            if not deadline.allows_another():
+            left = deadline.left()
+            check = None
+            try:
+                check = future.result(timeout=None if left is None else max(left, 0.0))
+            except FutureTimeout:
+                pass
+            except Exception as exc:  # a planning process that died (BrokenProcessPool)
+                model, task, seq_len, budget, *more = checks[index]
+                check = plan_record(model, task, seq_len, budget, more[0] if more else None)
+                check.update(status="plan-error", error=f"{type(exc).__name__}: {exc}")
+            if check is None or not deadline.allows(longest_run):
                 print(
                     f"time budget of {deadline.budget_s:.0f} s reached: "
                     f"{len(futures) - index} plan checks left out",
@@ -1744,7 +2141,6 @@ def run_plan_checks(
                 )
                 run.finish(plan_checks_left_out=[list(c[:4]) for c in checks[index:]])
                 return
-            check = future.result()
             if check["status"] == "ok":
                 run_plan(
                     check,
@@ -1752,12 +2148,16 @@ def run_plan_checks(
                     timeout_s=timeout_s,
                     device_total=device_total,
                     optimizer_steps=optimizer_steps,
+                    children=children if depth else None,
+                    index=index,
                 )
+                longest_run = max(longest_run, float(check["measured"].get("child_seconds") or 0))
                 deadline.tick()
             run.add_plan_check(check)
             print(format_plan_check(check), flush=True)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_pool(pool)
+        children.close()
 
 
 def ask_plan(
@@ -1775,20 +2175,7 @@ def ask_plan(
 
     keywords = dict(options or {})
     effective = int(keywords.pop("effective_batch_size", PLAN_EFFECTIVE_BATCH))
-    check: dict[str, Any] = {
-        "model": model,
-        "task": task,
-        "seq_len": seq_len,
-        "effective_batch_size": effective,
-        "budget_bytes": budget,
-        "pins": keywords,
-        "plan": None,
-        "assumed": [],
-        "status": "ok",
-        "fits": None,
-        "measured": None,
-        "error": None,
-    }
+    check = plan_record(model, task, seq_len, budget, options)
     started = time.perf_counter()
     try:
         plan = planner(
@@ -1813,6 +2200,28 @@ def ask_plan(
     except Exception as exc:
         check.update(status="plan-error", error=f"{type(exc).__name__}: {exc}")
     return check
+
+
+def plan_record(
+    model: str, task: str, seq_len: int, budget: int, options: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """A plan check's record before its plan (status ok until something says otherwise)."""
+    keywords = dict(options or {})
+    effective = int(keywords.pop("effective_batch_size", PLAN_EFFECTIVE_BATCH))
+    return {
+        "model": model,
+        "task": task,
+        "seq_len": seq_len,
+        "effective_batch_size": effective,
+        "budget_bytes": budget,
+        "pins": keywords,
+        "plan": None,
+        "assumed": [],
+        "status": "ok",
+        "fits": None,
+        "measured": None,
+        "error": None,
+    }
 
 
 def plan_changes(settings: Mapping[str, Any], effective: int, pins: Mapping[str, Any]) -> list[str]:
@@ -1851,8 +2260,12 @@ def run_plan(
     timeout_s: float,
     device_total: int | None,
     optimizer_steps: int = PLAN_OPTIMIZER_STEPS,
+    children: ChildPool | None = None,
+    index: int = 0,
 ) -> None:
-    """Run a plan's configuration for real in a child, capped at the budget; fills ``measured``."""
+    """Run a plan's configuration for real in a child, capped at the budget; fills ``measured``.
+    ``children``: the checks' children started ahead (``index`` is this check's); without, a
+    fresh child."""
     budget = int(check["budget_bytes"])
     plan = check["plan"]
     # the Case's knobs the plan chose, and its accumulation (not its prediction or repr)
@@ -1871,7 +2284,10 @@ def run_plan(
         # the allocator may reserve up to the budget (the CUDA context comes on top)
         "memory_fraction": None if not device_total else min(1.0, budget / device_total),
     }
-    child = run_child(request, timeout_s)
+    if children is None:
+        child = run_child(request, timeout_s)
+    else:
+        child = children.run(index, timeout_s, update=request)
     stats = dict(child.get("stats") or {})
     total = (
         stats["reserved_peak_bytes"] + stats["context_bytes"] if child["status"] == "ok" else None
@@ -1896,6 +2312,7 @@ def run_plan(
         "predicted_error_pct": error_pct(predicted, total),
         "timings": child.get("timings", {}),
         "child_seconds": child.get("child_seconds"),
+        "child_seconds_with_preparation": child.get("child_seconds_with_preparation"),
     }
     if child["status"] in ("error", "timeout"):
         check["measured"]["stderr_tail"] = child.get("stderr_tail")
@@ -2267,8 +2684,10 @@ def smoke_new_knob_cases(models: Mapping[str, str]) -> list[Case]:
         Case(gpt2, LM, 2, 32, "fp32", optimizer_offload="cpu"),
     ]
     if importlib.util.find_spec("bitsandbytes") is not None:
-        # QLoRA and a paged optimizer: real bitsandbytes layers and optimizer (they run on the CPU)
+        # QLoRA and a paged optimizer: real bitsandbytes layers and optimizer (they run on the
+        # CPU), nf4 and int8 bases built on the device after the go as on CUDA
         cases.insert(0, Case(llama, LM, 2, 32, "bf16", optimizer="paged-adamw-8bit", **QLORA))
+        cases.insert(2, Case(llama, LM, 2, 32, "bf16", lora_rank=8, quantization="int8"))
     return cases
 
 
@@ -2364,6 +2783,10 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 deadline=deadline,
                 # one optimizer step of accumulated micro-batches: the GPU run's path, in seconds
                 optimizer_steps=1,
+                # the plans made in spawned processes and the children started ahead, as on the
+                # GPU host (two planners, one child ahead: the smoke's 2 cores)
+                plan_workers=2,
+                prefetch=1,
             )
             print_plan_summary(run.doc["plan_checks"])
         else:
@@ -2399,6 +2822,7 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ]
         if args.new_knobs:
             problems += smoke_knob_coverage(doc["rows"])
+            problems += smoke_segments(doc["rows"], cases[-1])
         if args.plans_only and len(doc["plan_checks"]) != len(PLANS_ONLY):
             problems.append(f"plans only: {len(doc['plan_checks'])} plan checks ran")
         print_summary(doc["summary"], path, header["reproduce"])
@@ -2410,6 +2834,28 @@ def run_smoke(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def smoke_segments(rows: Sequence[Mapping[str, Any]], case: Case) -> list[str]:
+    """The segment diagnostics on the CPU: the measured side is None in every row (no CUDA), and
+    the estimator's side, asked of a CUDA estimate of ``case`` (traced on the CPU), lists the
+    replayed segments and adds up to its reserved peak."""
+    problems = [
+        f"{r['id']}: measured.segments on the CPU: {r['measured'].get('segments')!r}"
+        for r in rows
+        if r["measured"].get("segments") is not None
+    ]
+    estimated, error = estimate_case(case, "cuda")
+    estimated = estimated or {}
+    segments = estimated.get("segments")
+    if error or not segments or "error" in segments:
+        problems.append(f"estimated.segments of a CUDA estimate: {error or segments!r}")
+    elif (
+        not segments["largest"]
+        or abs(segments["reserved_mib"] * MiB - (estimated["reserved_peak_bytes"] or 0)) > MiB
+    ):
+        problems.append(f"estimated.segments do not add up to the reserved peak: {segments!r}")
+    return problems
+
+
 def smoke_knob_coverage(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The --new-knobs smoke rows run every new lever (QLoRA only where bitsandbytes is)."""
     wanted = {
@@ -2418,12 +2864,17 @@ def smoke_knob_coverage(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         "activation_offloading": True,
         "optimizer_offload": "cpu",
     }
+    wanted_pairs = list(wanted.items())
     if importlib.util.find_spec("bitsandbytes") is not None:
-        wanted |= {"quantization": "nf4", "optimizer": "paged-adamw-8bit"}
+        wanted_pairs += [
+            ("quantization", "nf4"),
+            ("quantization", "int8"),
+            ("optimizer", "paged-adamw-8bit"),
+        ]
     return [
         f"new knobs smoke: no row ran {knob}={value!r}"
-        for knob, value in wanted.items()
-        if not any(r["case"].get(knob) == value for r in rows)
+        for knob, value in wanted_pairs
+        if not any(r["case"].get(knob) == value and r["status"] == "ok" for r in rows)
     ]
 
 

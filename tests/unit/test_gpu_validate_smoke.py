@@ -215,6 +215,8 @@ def test_smoke_of_the_new_modes(gv: ModuleType, tmp_path: Path, mode: str) -> No
         assert all(c["plan_changed"] for c in checks)
         assert any(c["plan"]["accumulation_steps"] > 1 for c in checks)
         assert any(c["plan"].get("cross_entropy") == "fused-linear" for c in checks)
+        # each plan's child was started ahead and got its plan's knobs with its go
+        assert all("waited_s" in c["measured"]["timings"] for c in checks)
         return
     rows = doc["rows"]
     assert rows and all(r["status"] == "ok" for r in rows)
@@ -227,6 +229,12 @@ def test_smoke_of_the_new_modes(gv: ModuleType, tmp_path: Path, mode: str) -> No
         assert any(
             c["quantization"] == "nf4" and c["optimizer"] == "paged-adamw-8bit" for c in cases
         )
+        # a quantized base is built after the go (on the device): its child only imported ahead
+        int8 = next(r for r in rows if r["case"]["quantization"] == "int8")
+        assert int8["measured"]["timings"]["cpu_build_s"] < 30
+    # no CUDA: no segments on either side (a CPU estimate replays no caching allocator)
+    assert all(r["measured"]["segments"] is None for r in rows)
+    assert all(r["estimated"]["segments"] is None for r in rows)
     # what ran each lever is in the row (the CPU: memfit's fused loss, save_on_cpu)
     fused = next(r for r in rows if r["case"]["cross_entropy"] == "fused-linear")
     assert fused["measured"]["implementations"]["cross_entropy"].startswith("memfit")
@@ -310,3 +318,58 @@ def test_quick_on_gpu(gv: ModuleType, tmp_path: Path) -> None:
             assert row["measured"]["reserved_peak_bytes"] > 0
             assert row["measured"]["context_bytes"] > 0
             assert row["error_pct"]["total"] is not None
+
+
+def test_segment_summary(gv: ModuleType) -> None:
+    mib = 2**20
+    segments = [
+        {"total": (i + 1) * 2 * mib, "allocated": mib, "free_blocks": [mib // 2, mib // 2, 0],
+         "stream": i % 2, "pool": "large"}
+        for i in range(gv.SEGMENTS_KEPT + 10)
+    ]  # fmt: skip
+    summary = gv.segment_summary(segments)
+    assert summary["segments"] == gv.SEGMENTS_KEPT + 10
+    assert len(summary["largest"]) == gv.SEGMENTS_KEPT
+    assert summary["rest"]["segments"] == 10
+    # largest first, their free blocks in MiB, largest first, zero-sized ones left out
+    assert summary["largest"][0]["mib"] == 2 * (gv.SEGMENTS_KEPT + 10)
+    assert summary["largest"][0]["free_mib"] == [0.5, 0.5]
+    total = sum(s["total"] for s in segments) / mib
+    assert summary["reserved_mib"] == total
+    assert summary["by_stream"]["0"]["mib"] + summary["by_stream"]["1"]["mib"] == total
+    assert gv.segment_summary([])["segments"] == 0
+
+
+def test_a_build_without_random_init_is_the_same_model(gv: ModuleType, tmp_path: Path) -> None:
+    """The child's CPU build skips the random init: the same parameters (ties included), buffers
+    and deterministic vectors as the estimator's build; draw_weights then fills the matrices."""
+    import transformers
+
+    from memfit.estimate import workload
+    from memfit.models import resolve_model
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "tied")
+    case = gv.Case(str(tmp_path / "tied"), gv.LM, 2, 16, "fp32", lora_rank=4)
+    spec = gv._spec_for({**case.knobs(), "device": "cpu"})
+    config = resolve_model(case.model).config
+    torch.manual_seed(0)
+    plain = workload.build_model(config, spec)
+    built = gv.build_step_model(config, spec, "cpu", on_device=False)
+    ours, theirs = dict(built.named_parameters()), dict(plain.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].shape == theirs[k].shape and ours[k].dtype == theirs[k].dtype for k in ours)
+    assert len({id(p) for p in built.parameters()}) == len({id(p) for p in plain.parameters()})
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours if ours[k].dim() < 2)
+    buffers = dict(plain.named_buffers())
+    assert all(torch.equal(b, buffers[k]) for k, b in built.named_buffers())
+    # torch.nn.init is itself again
+    assert torch.nn.init.normal_.__module__ == "torch.nn.init"
+    gv.draw_weights(built)
+    matrices = [p for p in built.parameters() if p.dim() >= 2]
+    assert all(bool(torch.isfinite(p).all()) for p in matrices)
+    assert 0.01 < float(torch.cat([p.detach().flatten() for p in matrices]).std()) < 0.03
