@@ -440,6 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary_path = out / SUMMARY_NAME
     summary = Summary(summary_path, header)
     env = part_env()
+    if header["commit"]:
+        env["MEMFIT_COMMIT"] = str(header["commit"])  # the parts' headers record it too
     shares = budgets(parts, args.budget)
     for i, (part, share) in enumerate(zip(parts, shares, strict=True)):
         left = args.budget - (time.perf_counter() - started)

@@ -1759,7 +1759,9 @@ def collect_header(
         # the optional libraries the levers run on, as installed (read without importing them)
         "packages": package_versions(),
         "not_measurable": NOT_MEASURABLE_HERE,
-        "git_commit": git_commit(),
+        # the commit the caller names (bench/gpu_truth.py --commit: the device machine's copy of
+        # the tree may carry another .git state), else the checkout's
+        "git_commit": os.environ.get("MEMFIT_COMMIT") or git_commit(),
         "hostname": platform.node(),
         "command": [sys.executable, *sys.argv],
         "argv": list(argv),

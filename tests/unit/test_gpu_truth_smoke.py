@@ -1,6 +1,6 @@
 """``bench/gpu_truth.py`` must be ready when a GPU is lent: its CPU smoke run of every part.
 
-The GPU run itself (about 7.5 minutes on an H100) happens only on a device machine; here each part
+The GPU run itself (7.8 minutes on the first H200 run) happens only on a device machine; here each part
 runs its own ``--smoke`` on the CPU through the same entry point, and the summary must say what
 each part measured.
 """

@@ -35,7 +35,8 @@ class CudaProfile:
     CPUOffloadOptimizer: pinned host buffers and copies on a side stream). Measured on one H200
     (torch 2.11, CUDA 13.0, driver 580; bench/results/gpu_truth_20261127_H200): +74 and +80 MiB
     for activation offloading, +84 and +72 MiB for optimizer offload, against steps without it;
-    the largest is used. DeepSpeed's ZeRO-Offload has not been measured and gets none.
+    the largest is used. DeepSpeed's ZeRO-Offload (the optimizer offload of a sharded run) has
+    not been measured and gets none.
     ``nccl_bytes``: with several ranks, NCCL's communicator buffers, outside the caching
     allocator. An assumption from NCCL's defaults, not a measurement: a ring over 16 channels,
     each with send and receive buffers for its two peers of the Simple (NCCL_BUFFSIZE 4 MiB),

@@ -249,6 +249,18 @@ def _unwatch_resizes(cap: CpuMemoryCap) -> None:
         _unwrapped_resize = None
 
 
+def _fraction(index: int) -> float:
+    """The allocator's fraction on device ``index`` (1.0 where torch cannot say: before 2.6, or
+    an allocator backend that does not keep one)."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return 1.0
+    try:
+        return float(getter(index))
+    except (RuntimeError, NotImplementedError):
+        return 1.0
+
+
 @contextlib.contextmanager
 def memory_cap(size_bytes: int | None, device: torch.device) -> Iterator[CpuMemoryCap | None]:
     """Cap the memory of a run: nothing for ``None``, the allocator's fraction on CUDA, a
@@ -264,8 +276,7 @@ def memory_cap(size_bytes: int | None, device: torch.device) -> Iterator[CpuMemo
         # cached before (a notebook's earlier run, the model's load) would be reused past the cap,
         # so the cache is released first and the cap then counts what is live from here on
         torch.cuda.empty_cache()
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-        before = float(getter(index)) if getter is not None else 1.0
+        before = _fraction(index)
         torch.cuda.set_per_process_memory_fraction(min(1.0, size_bytes / total), index)
         try:
             yield None

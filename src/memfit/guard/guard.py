@@ -325,7 +325,7 @@ class Guard:
         # backward: a read per micro-batch would make the host wait for each backward to finish
         # before it queues the next micro-batch's forward (on a GPU the one read left still
         # waits for the step's backward: bench/guard_overhead.py measures what that costs)
-        step_loss: torch.Tensor | None = None
+        losses: list[torch.Tensor] = []
         chunks = self.chunks(rows, recipe, size, self.max_tokens) if rows else []
         # several ranks meet after every micro-batch: the same number of times on each
         count = ranks.most(len(chunks)) if ranks is not None else len(chunks)
@@ -338,10 +338,9 @@ class Guard:
                     loss = recipe.loss(chunk, total_units)
                 phase("backward")
                 self._backward(scale(loss))
-                part = loss.detach().to(torch.float64)  # as the float sum it replaces
-                step_loss = part if step_loss is None else step_loss + part
+                losses.append(loss.detach())
                 # the graph is freed by backward; drop the last reference before the next forward
-                del loss, part
+                del loss
             elif self.pad_pass is not None:
                 # the model communicates in its forward and backward (FSDP): join with no weight
                 self.pad_pass(True)
@@ -357,7 +356,13 @@ class Guard:
             if lengths is not None
             else None,
         }
-        return 0.0 if step_loss is None else float(step_loss)
+        # one read of every micro-batch's loss, summed as Python floats in their order (as a
+        # read per micro-batch did; float32 on the device, as MPS has no float64)
+        step_loss = 0.0
+        if losses:
+            for value in torch.stack(losses).float().cpu().tolist():
+                step_loss += value
+        return step_loss
 
     @staticmethod
     def chunks(

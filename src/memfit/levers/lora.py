@@ -31,7 +31,8 @@ class LoraKnobs:
     )
     """Which layers get adapters (groups or module names); only with a rank."""
     lora_dropout: float | None = knob(
-        "LoRA dropout on each adapted layer's input (peft), in [0, 1); 0: none.",
+        "LoRA dropout on each adapted layer's input (peft), in [0, 1); 0: none. Only with "
+        "--lora-rank.",
         fraction=True,
         shown_default=str(LORA_DROPOUT),
     )

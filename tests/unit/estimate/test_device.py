@@ -131,3 +131,8 @@ def test_an_offloading_estimate_holds_the_larger_context_unless_sharded() -> Non
     offloaded = estimate("gpt2", optimizer_offload="cpu", **kwargs)  # type: ignore[arg-type]
     extra = offloaded.details["context_bytes"] - plain.details["context_bytes"]
     assert extra == cuda_profile().offload_context_bytes
+    # DeepSpeed's ZeRO-Offload (a sharded run's optimizer offload) is not measured: none
+    sharded = dict(kwargs, sharding="zero2", world_size=2)
+    zero = estimate("gpt2", **sharded)  # type: ignore[arg-type]
+    zero_offload = estimate("gpt2", optimizer_offload="cpu", **sharded)  # type: ignore[arg-type]
+    assert zero_offload.details["context_bytes"] == zero.details["context_bytes"]

@@ -211,3 +211,31 @@ def test_memory_cap_on_cuda_bites_after_earlier_work_was_cached() -> None:
     with memory_cap(64 * 2**20, device), pytest.raises(torch.OutOfMemoryError):
         torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("getter", ["missing", "raises"])
+def test_memory_cap_on_cuda_restores_the_whole_gpu_where_torch_cannot_say_the_fraction(
+    monkeypatch: pytest.MonkeyPatch, getter: str
+) -> None:
+    set_to: list[float] = []
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    def no_fraction(index: int) -> float:
+        raise RuntimeError("this allocator backend keeps no fraction")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    if getter == "missing":
+        monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    else:
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", no_fraction)
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, index: set_to.append(f)
+    )
+    # the fraction comes back even when the capped run raises
+    with pytest.raises(torch.OutOfMemoryError), memory_cap(40 * 2**30, torch.device("cuda")):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert set_to == [0.5, 1.0]

@@ -599,7 +599,11 @@ def test_the_step_loss_is_read_from_the_device_once_however_many_micro_batches(
     model = make_model()
     rows = sample_rows(8)
     reads: list[str] = []
-    real_float, real_item = torch.Tensor.__float__, torch.Tensor.item
+    real_float, real_item, real_tolist = (
+        torch.Tensor.__float__,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+    )
 
     def counting_float(self: torch.Tensor) -> float:
         reads.append("float")
@@ -609,7 +613,12 @@ def test_the_step_loss_is_read_from_the_device_once_however_many_micro_batches(
         reads.append("item")
         return real_item(self)
 
+    def counting_tolist(self: torch.Tensor) -> Any:
+        reads.append("tolist")
+        return real_tolist(self)
+
     monkeypatch.setattr(torch.Tensor, "__float__", counting_float)
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     monkeypatch.setattr(torch.Tensor, "item", counting_item)
     loss = Guard(2).step(rows, SampleRecipe(model), params=list(model.parameters()))
     monkeypatch.undo()

@@ -118,8 +118,10 @@ def test_train_help_shows_the_flag_and_its_default(capsys: pytest.CaptureFixture
         assert not exc.code
     text = " ".join(capsys.readouterr().out.split())
     assert "--lora-dropout" in text
-    after = text.split("--lora-dropout", 1)[1].split("--", 1)[0]
-    assert "[0, 1)" in after and "[default: 0.1]" in after
+    # its own help: up to the next option (its help names --lora-rank, which is no option start)
+    after = text.split("--lora-dropout", 1)[1].split(" --", 2)
+    own = " --".join(after[:2])
+    assert "[0, 1)" in own and "[default: 0.1]" in own and "Only with --lora-rank" in own
 
 
 def test_a_lora_run_without_dropout_saves_it_in_the_adapter_folder(
