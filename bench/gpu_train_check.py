@@ -918,31 +918,19 @@ def header(args: argparse.Namespace, command: str, gpu: dict[str, Any] | None) -
 
 def gpu_info() -> dict[str, Any] | None:
     """The GPU as nvidia-smi sees it (this process leaves CUDA alone: the runs own the GPU)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
+    from _gpu_report import nvidia_smi
+
+    line = nvidia_smi()["nvidia_smi"]
+    if not line:
         return None
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if not out:
-        return None
-    name, driver, memory = (x.strip() for x in out.splitlines()[0].split(","))
+    name, driver, memory = (x.strip() for x in line.split(","))
     return {"name": name, "driver": driver, "memory": memory}
 
 
 def write(path: Path | None, doc: dict[str, Any]) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(tmp, path)
+    from _gpu_report import write_json
+
+    write_json(path, doc, indent=1)
 
 
 def main() -> int:

@@ -52,7 +52,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import threading
@@ -61,6 +60,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _gpu_report import nvidia_smi, write_json  # bench/, the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -190,21 +191,7 @@ def gpu_facts() -> dict[str, Any]:
             multi_processor_count=int(props.multi_processor_count),
             cudnn=torch.backends.cudnn.version(),
         )
-    smi = shutil.which("nvidia-smi")
-    if smi is not None:
-        try:
-            done = subprocess.run(
-                [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=True,
-            )
-            facts["nvidia_smi"] = done.stdout.strip()
-            _name, driver, *_ = (cell.strip() for cell in done.stdout.splitlines()[0].split(","))
-            facts["driver"] = driver
-        except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-            facts["nvidia_smi"] = None
+    facts.update(nvidia_smi())
     return facts
 
 
@@ -221,9 +208,7 @@ class Summary:
         self.write()
 
     def write(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_json(self.path, self.data)
 
 
 def _part_json(out: Path, part: Part) -> tuple[Path | None, dict[str, Any] | None]:

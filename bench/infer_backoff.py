@@ -46,7 +46,6 @@ import os
 import platform
 import random
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -58,6 +57,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from _gpu_report import Report, nvidia_smi  # bench/, the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
@@ -406,24 +407,6 @@ def cli_case(
 
 
 # --- the JSON's header ---------------------------------------------------------------------------
-def _nvidia_smi() -> dict[str, str | None]:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return {"nvidia_smi": None, "driver": None}
-    try:
-        done = subprocess.run(
-            [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-        line = done.stdout.strip().splitlines()[0]
-        return {"nvidia_smi": line, "driver": line.split(",")[1].strip()}
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return {"nvidia_smi": None, "driver": None}
-
-
 def header(command: str, device: torch.device) -> dict[str, Any]:
     import transformers
 
@@ -433,7 +416,7 @@ def header(command: str, device: torch.device) -> dict[str, Any]:
     }
     return {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        **_nvidia_smi(),
+        **nvidia_smi(),
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -445,27 +428,6 @@ def header(command: str, device: torch.device) -> dict[str, Any]:
         "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
-
-
-class Report:
-    """The JSON file, rewritten after every case (an interrupted run keeps what it measured)."""
-
-    def __init__(self, path: Path | None, head: dict[str, Any]) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {"header": head, "cases": [], "summary": {}}
-        self.write()
-
-    def case(self, row: dict[str, Any]) -> None:
-        self.data["cases"].append(row)
-        self.write()
-
-    def write(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
-        tmp.replace(self.path)
 
 
 def _error_row(name: str, exc: BaseException) -> dict[str, Any]:
