@@ -30,13 +30,6 @@ class CudaProfile:
     32 MiB on sm90 (H100/H200), else 4096 KiB·2 + 16 KiB·8 (aten/src/ATen/cuda/CublasHandlePool.cpp).
     ``cublaslt_workspace_bytes``: cuBLASLt's own 1 MiB workspace, persistent from torch 2.9 and
     shared with cuBLAS' from torch 2.12.
-    ``offload_context_bytes``: what the CUDA context grows by when a step offloads to host
-    memory (activation offloading through TRL's context, the optimizer's state through torchao's
-    CPUOffloadOptimizer: pinned host buffers and copies on a side stream). Measured on one H200
-    (torch 2.11, CUDA 13.0, driver 580; bench/results/gpu_truth_20261127_H200): +74 and +80 MiB
-    for activation offloading, +84 and +72 MiB for optimizer offload, against steps without it;
-    the largest is used. DeepSpeed's ZeRO-Offload (the optimizer offload of a sharded run) has
-    not been measured and gets none.
     ``nccl_bytes``: with several ranks, NCCL's communicator buffers, outside the caching
     allocator. An assumption from NCCL's defaults, not a measurement: a ring over 16 channels,
     each with send and receive buffers for its two peers of the Simple (NCCL_BUFFSIZE 4 MiB),
@@ -51,16 +44,10 @@ class CudaProfile:
     cublaslt_workspace_bytes: int = 1 * MiB
     flash_attention: bool = True
     nccl_bytes: int = 288 * MiB
-    offload_context_bytes: int = 84 * MiB
 
-    def context_for(
-        self, mode: str, precision: str, attn_implementation: str, *, offloading: bool = False
-    ) -> int:
-        """The CUDA context once a step of this kind has run (lazy loading: kernels on first use);
-        ``offloading``: the step offloads activations or optimizer state to host memory."""
+    def context_for(self, mode: str, precision: str, attn_implementation: str) -> int:
+        """The CUDA context once a step of this kind has run (lazy loading: kernels on first use)."""
         context = self.context_bytes
-        if offloading:
-            context += self.offload_context_bytes
         if mode == "train":
             context += self.training_kernels_bytes
         if precision != "fp32" and attn_implementation == "sdpa" and self.flash_attention:

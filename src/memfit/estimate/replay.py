@@ -497,15 +497,7 @@ def _replay_cuda(
     breakdown["allocator_overhead"] = reserved - sum(walk.best_raw) - workspace
     # NCCL's communicator buffers live outside the caching allocator
     nccl = profile.nccl_bytes if world_size > 1 else 0
-    # offloading's side stream and pinned buffers, as measured (TRL's activation offloading,
-    # which runs the same under sharding, and torchao's optimizer offload); DeepSpeed's
-    # ZeRO-Offload, the optimizer offload of a sharded run, is not measured and gets none
-    offloading = spec.activation_offloading or (
-        spec.optimizer_offload == "cpu" and sharded.shard is None
-    )
-    context = profile.context_for(
-        spec.mode, spec.precision, spec.attn_implementation, offloading=offloading
-    )
+    context = profile.context_for(spec.mode, spec.precision, spec.attn_implementation)
     breakdown["runtime_overhead"] = context + workspace + nccl
     total = reserved + context + nccl
     return Peak(

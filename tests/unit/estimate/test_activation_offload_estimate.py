@@ -176,11 +176,7 @@ def test_the_gpu_holds_less_by_no_more_than_what_went_to_the_host(
     # copies in flight: the last FORWARD_STASH saves; the head's input): never by more. With
     # checkpointing four layers save too little for the stash to let go of much
     assert 0 <= before - after <= host
-    # the tensors' memory only drops; the CUDA context grows by offloading's side stream and
-    # pinned buffers (a constant measured on an H200), which a model this tiny does not repay
-    context = moved.details["context_bytes"] - kept.details["context_bytes"]
-    assert context == 84 * 2**20
-    assert moved.total_bytes - context <= kept.total_bytes
+    assert moved.total_bytes <= kept.total_bytes
     if not checkpointing:
         assert before - after > host / 3
         # at the peak most saved activations are off the GPU (what stays: small saves, the stash,

@@ -19,15 +19,14 @@ MiB = 1 << 20
 
 
 def _offloading(model: str, **kwargs: Any) -> Any:
-    """The estimate, with an offloaded optimizer's 200 MiB off the GPU and in host memory (a
-    stand-in: the planner's bookkeeping, not the lever's figures, is under test; the GPU still
-    holds offloading's larger CUDA context, 84 MiB)."""
+    """The estimate, with an offloaded optimizer's 100 MiB off the GPU and 200 MiB in host memory
+    (a stand-in: the planner's bookkeeping, not the lever's figures, is under test)."""
     result = estimate(model, **kwargs)
     if kwargs.get("optimizer_offload") != "cpu":
         return result
     host = {"total_bytes": 200 * MiB, "parts": {"optimizer_state": 200 * MiB}}
     return dataclasses.replace(
-        result, total_bytes=result.total_bytes - 200 * MiB, details={**result.details, "host": host}
+        result, total_bytes=result.total_bytes - 100 * MiB, details={**result.details, "host": host}
     )
 
 
