@@ -3032,25 +3032,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_summary(run.doc["summary"], path, header["reproduce"])
         return 0
     if args.plan_check:
-        planner, source = find_planner()
-        if planner is None:
-            print(f"plan check skipped: {source}", flush=True)
-            run.finish(plan_check="skipped: " + source)
-        else:
-            checks = plan_check_list(_canonical_models(args.models))
-            run_plan_checks(
-                planner,
-                checks,
-                "cuda",
-                run,
-                timeout_s=args.timeout,
-                device_total=device_total,
-                deadline=deadline,
-            )
+        _run_planned(
+            args, run, plan_check_list(_canonical_models(args.models)), device_total, deadline
+        )
     run.finish(seconds=round(time.perf_counter() - started, 1))
     print_summary(run.doc["summary"], path, header["reproduce"])
     summary = run.doc["summary"]
     return 1 if summary["errors"] or summary["estimate_errors"] else 0
+
+
+def _run_planned(
+    args: argparse.Namespace,
+    run: RunFile,
+    checks: Sequence[Any],
+    device_total: int,
+    deadline: Deadline,
+) -> None:
+    """Run ``checks`` (plans under their caps) with the planner this checkout has, or say why not."""
+    planner, source = find_planner()
+    if planner is None:
+        print(f"plan check skipped: {source}", flush=True)
+        run.finish(plan_check="skipped: " + source)
+        return
+    run_plan_checks(
+        planner,
+        checks,
+        "cuda",
+        run,
+        timeout_s=args.timeout,
+        device_total=device_total,
+        deadline=deadline,
+    )
 
 
 def run_plans_only(
@@ -3058,22 +3070,9 @@ def run_plans_only(
 ) -> int:
     """``--plans-only``: the PLANS_ONLY checks under their caps; exit 0 whatever they found (each
     check's record says it)."""
-    planner, source = find_planner()
-    if planner is None:
-        print(f"plan check skipped: {source}", flush=True)
-        run.finish(plan_check="skipped: " + source)
-    else:
-        models = _canonical_models(args.models)
-        checks = [c for c in PLANS_ONLY if models is None or c[0] in models]
-        run_plan_checks(
-            planner,
-            checks,
-            "cuda",
-            run,
-            timeout_s=args.timeout,
-            device_total=device_total,
-            deadline=deadline,
-        )
+    models = _canonical_models(args.models)
+    checks = [c for c in PLANS_ONLY if models is None or c[0] in models]
+    _run_planned(args, run, checks, device_total, deadline)
     run.finish(seconds=round(time.perf_counter() - started, 1))
     print_plan_summary(run.doc["plan_checks"])
     print_summary(run.doc["summary"], run.path, run.doc["header"]["reproduce"])
