@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+# the one changed line, first: transformers imports bitsandbytes (through peft), which logs that
+# an optional kernel package is missing; memfit drops that line once it is imported
+from memfit.integrations import GuardedTrainer as Trainer  # isort: skip
 from datasets import Dataset
 from transformers import (
     AutoModelForSequenceClassification,
@@ -25,8 +28,6 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
-
-from memfit.integrations import GuardedTrainer as Trainer  # the one changed line
 
 REVIEWS = [
     ("a warm, funny and beautifully acted film", 1),

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit import quiet
+
 __version__ = "0.1.0"
+
+# third-party lines that say nothing to the user (memfit.quiet), dropped before memfit, or a
+# library memfit imports, can log them: bitsandbytes logs its line while it is imported
+quiet.install()
 
 
 def estimate(model: str, **kwargs: Any) -> Any:
@@ -12,6 +18,7 @@ def estimate(model: str, **kwargs: Any) -> Any:
     # start-up: `import memfit` stays light; the estimator loads torch and transformers
     from memfit.estimate import estimate as _estimate
 
+    quiet.install()  # put back a warnings filter a reset since import removed
     return _estimate(model, **kwargs)
 
 
@@ -20,6 +27,7 @@ def plan(model: str, **kwargs: Any) -> Any:
     # start-up: the planner loads the estimator (torch, transformers)
     from memfit.plan import plan as _plan
 
+    quiet.install()  # put back a warnings filter a reset since import removed
     return _plan(model, **kwargs)
 
 
@@ -29,6 +37,7 @@ def limits(model: str, **kwargs: Any) -> Any:
     # start-up: the solver loads the estimator (torch, transformers)
     from memfit.plan.limits import limits as _limits
 
+    quiet.install()  # put back a warnings filter a reset since import removed
     return _limits(model, **kwargs)
 
 
@@ -37,6 +46,7 @@ def train(config: Any = None, /, **kwargs: Any) -> Any:
     # start-up: a run loads torch, transformers and the training stack
     from memfit.train.run import train as _train
 
+    quiet.install()  # put back a warnings filter a reset since import removed
     return _train(config, **kwargs)
 
 

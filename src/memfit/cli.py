@@ -11,7 +11,6 @@ import ctypes
 import gc
 import importlib
 import importlib.util
-import logging
 import os
 import re
 import sys
@@ -30,7 +29,7 @@ except ImportError:  # pragma: no cover - typer built on click
     from click.exceptions import ClickException as _ClickException  # type: ignore[assignment]
     from click.exceptions import NoArgsIsHelpError as _NoArgsIsHelp  # type: ignore[assignment,attr-defined]
 
-from memfit import __version__
+from memfit import __version__, quiet
 from memfit.errors import MemfitError, UsageError
 from memfit.extras import missing_module_line
 from memfit.paths import is_user_os_error, os_error_line
@@ -249,11 +248,11 @@ _NO_BACKGROUND = "MEMFIT_NO_BACKGROUND"  # memfit.estimate.background.OFF_VARIAB
 
 
 def _main(argv: list[str] | None = None) -> Any:
+    # the third-party lines that say nothing to the user (memfit.quiet; `import memfit` put
+    # them in place, a caller of main() may have reset its warnings filters since)
+    quiet.install()
     # transformers' advice for training scripts is noise for a planning tool
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    # bitsandbytes (imported by peft for any LoRA run) warns at import, on CPUs with AVX512-BF16,
-    # that an optional faster kernel package is missing: noise for every estimate and train
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # a command answers and exits: nothing is traced ahead in the background for later questions
     # (memfit.estimate.background; the variable, not its off(), keeps torch out of start-up), and
     # a caller of main() in a long-lived process gets its background back after

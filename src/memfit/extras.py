@@ -30,6 +30,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),
     "deepspeed": ("deepspeed", "deepspeed"),
+    "trl": ("trl", "trl"),
 }
 
 

@@ -121,7 +121,8 @@ class JobKnobs:
     """The job's own knobs: what is trained, on what, and where."""
 
     model: str = knob(
-        "A registry name (memfit models), a Hub id memfit knows, or a model folder.", required=True
+        "A registry name (memfit models), a Hub id (fetched when online), or a model folder.",
+        required=True,
     )
     """The model: a registry name or id, or a folder holding ``config.json``."""
     task: str = knob(

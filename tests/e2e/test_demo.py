@@ -33,6 +33,10 @@ def test_demo_training_learns_under_its_cap(capsys: pytest.CaptureFixture[str]) 
     assert acc1 >= acc0 + 0.3 and mrr1 > mrr0 + 0.2 and ndcg1 > ndcg0 + 0.2, line.group(0)
     run = Path(re.search(r"run folder: (\S+)", out).group(1))  # type: ignore[union-attr]
     config = json.loads((run / "run.json").read_text())
+    # the demo keeps what its report needs and deletes the models (about 350 MiB)
+    left = [p for p in run.parent.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in left) < 1 << 20, left
+    assert not (run / "model").exists() and not list(run.parent.glob("probe-*"))
     # the untrained figure printed before training is the same eval code's
     untrained = re.search(r"untrained: held-out accuracy@1 ([\d.]+)", out)
     assert untrained and float(untrained.group(1)) == acc0

@@ -255,7 +255,7 @@ def test_embed_npy_and_parquet_over_existing_files(
     code, _, err = run_cli(capsys, *_embed(models, data, matrix, "--overwrite"))
     assert code == 0, err
     assert np.load(matrix).shape == (ROWS, 32)
-    # memfit's own .npy too: a rerun needs --overwrite (the README's example says so)
+    # memfit's own .npy too: a rerun needs --overwrite (docs/predict.md's example says so)
     before = _snapshot(tmp_path)
     _refused(capsys, _embed(models, data, matrix), "--output", "--overwrite", "cannot tell")
     _unchanged(tmp_path, before)

@@ -16,7 +16,8 @@ import typer.main
 from memfit.cli import VERBS, _summary, app, first_sentence, main
 from memfit.data.sources import FORMATS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# the docs page that lists the inputs memfit train reads
+DATA_DOCS = Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 
 def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -127,15 +128,15 @@ def test_train_help_shows_the_run_defaults(capsys: pytest.CaptureFixture[str]) -
     assert checked >= 10
 
 
-def test_train_help_lists_every_input_format_the_readme_names(
+def test_train_help_lists_every_input_format_the_docs_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     text = _squeezed(_help(capsys, "train"))
     entry = text.split("--train-file<str>", 1)[1].split("--eval-file", 1)[0]
     for suffix in (*FORMATS, ".gz", "folder", "save_to_disk"):
         assert suffix in entry, suffix
-    # the README's list of inputs: the same formats (CSV … Parquet, .gz, folders, save_to_disk)
-    readme = " ".join(README.read_text(encoding="utf-8").split())
-    inputs = readme.split("**Inputs.**", 1)[1].split("**Labels.**", 1)[0]
+    # the docs' list of inputs: the same formats (CSV … Parquet, .gz, folders, save_to_disk)
+    docs = " ".join(DATA_DOCS.read_text(encoding="utf-8").split())
+    inputs = docs.split("**Inputs.**", 1)[1].split("**Labels.**", 1)[0]
     for named in ("CSV", "TSV", "JSON Lines", "JSON", "Parquet", ".gz", "folder", "save_to_disk"):
         assert named in inputs, named

@@ -26,11 +26,13 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "memfit"
 FLOOR = {
     "errors", "units", "paths", "progress", "_callable_module", "job", "runtime", "metrics", "extras",
     "knobs", "levers",
+    # the filter of third-party lines that say nothing to the user (every entry point installs it)
+    "quiet",
     # each recipe's loss: memfit train runs it, the estimator traces it (so both stand on it)
     "step",
 }  # fmt: skip
 # package (or top-level module) → the memfit packages it may import besides the floor; the
-# README's package map says the same. The CLI's verbs (commands, cli, the package's own
+# package map of CONTRIBUTING.md says the same. The CLI's verbs (commands, cli, the package's own
 # __init__ and __main__) stand on everything.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
@@ -40,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "levers": {"knobs", "errors", "units"},
     "job": {"knobs", "levers"},
     "runtime": set(),
+    "quiet": set(),
     "metrics": set(),
     "progress": set(),
     "_callable_module": set(),

@@ -30,6 +30,9 @@ def captured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Any]:
         )
 
     monkeypatch.setattr(memfit.train.run, "train", fake_train)
+    # "m" names no model: the check of a model by name before torch loads is
+    # tests/unit/train/test_model_by_name.py's; here only the flags are read
+    monkeypatch.setattr("memfit.commands.train.by_name_problem", lambda *_: None)
     monkeypatch.delenv("SM_MODEL_DIR", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     return configs

@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal, TypeVar
 import typer
 
 from memfit import progress
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, UsageError
 from memfit.job import Job, flag_of, parse_target_modules
+from memfit.models.folder import by_name_problem
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -242,6 +243,11 @@ def run_inference(verb: str, loading: str, doing: str, flags: dict[str, Any]) ->
     """``memfit predict``/``embed``: their flags are :class:`~memfit.infer.run.InferConfig`'s,
     one to one; the run prints nothing until its summary line (to stderr)."""
     # on screen before torch is imported
+    # a Hub id whose weights are in no cache while the Hub does not answer: one line now, before
+    # torch and transformers take their seconds to load
+    problem = by_name_problem(str(flags["model"]), "MODEL_DIR", f"memfit {verb}")
+    if problem:
+        raise UsageError(problem)
     with progress.status(f"loading {loading}", subject=f"memfit {verb} {flags['model']}"):
         # start-up: inference loads torch and transformers, under the status line
         from memfit.infer.output import Terminated

@@ -4,6 +4,7 @@ report on known models, each command printed before its output."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,12 +80,51 @@ def demo_command() -> None:
             gpu_memory="4GiB",
         )
     print_plan(planned)
-    demo_training()
+    demo_report(demo_training())
 
 
-def demo_training() -> None:
+def demo_report(out: Path) -> None:
+    """``memfit report`` on the demo's run folder ``out``; its temporary folder is deleted when
+    the report fails or is interrupted (the demo's run has nothing else to show)."""
+    typer.echo(f"\n$ memfit report {out}")
+    try:
+        with progress.status(
+            f"estimating the run's step, drawing the plots of {out}", subject="memfit demo"
+        ):
+            page = write_report(out)
+    except BaseException:
+        # a demo stopped (Ctrl-C, an error) leaves nothing behind
+        shutil.rmtree(out.parent, ignore_errors=True)
+        raise
+    typer.echo(
+        f"wrote {page}: memory per step with the OOM and the back-off marked, the estimate "
+        "beside the measured peak, loss and throughput (and the same plots as PNG beside it)"
+    )
+
+
+def demo_training() -> Path:
     """Fine-tune all-MiniLM-L6-v2 under a memory cap that makes a step run out of memory; the
-    held-out retrieval metrics before and after."""
+    held-out retrieval metrics before and after. Returns the run folder, in a new temporary
+    folder: the weights the demo wrote are deleted as it ends (the whole folder when it fails or
+    is interrupted), its logs and the pairs it trained on stay."""
+    folder = Path(tempfile.mkdtemp(prefix="memfit-demo-"))
+    try:
+        out = _train_under_cap(folder)
+        removed = drop_weights(folder, out)
+    except BaseException:
+        # a demo stopped (Ctrl-C, an error) leaves nothing behind
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    typer.echo(
+        f"run folder: {out} (metrics.jsonl, events.jsonl, run.json); deleted the probe runs and "
+        f"the saved models ({', '.join(removed)}: {format_bytes(sum(removed.values()))}): the "
+        "report needs the logs only"
+    )
+    return out
+
+
+def _train_under_cap(folder: Path) -> Path:
+    """:func:`demo_training`'s probes and run, in ``folder``; the run's folder."""
     # start-up: training loads torch, transformers and sentence-transformers
     from memfit.train import TrainConfig, train
     from memfit.train.demo import (
@@ -98,7 +138,6 @@ def demo_training() -> None:
     )
 
     model = minilm_path()
-    folder = Path(tempfile.mkdtemp(prefix="memfit-demo-"))
     train_file, eval_file = write_pairs(folder)
     knobs = {**TRAIN_KNOBS, "model": model, "train_file": str(train_file)}
 
@@ -168,13 +207,19 @@ def demo_training() -> None:
         f"{ooms} out-of-memory error(s) survived"
     )
     typer.echo(f"held-out {before_after(before, result.eval_metrics)}")
-    typer.echo(f"run folder: {out} (model/, metrics.jsonl, events.jsonl, run.json)")
-    typer.echo(f"\n$ memfit report {out}")
-    with progress.status(
-        f"estimating the run's step, drawing the plots of {out}", subject="memfit demo"
-    ):
-        page = write_report(out)
-    typer.echo(
-        f"wrote {page}: memory per step with the OOM and the back-off marked, the estimate "
-        "beside the measured peak, loss and throughput (and the same plots as PNG beside it)"
-    )
+    return out
+
+
+def drop_weights(folder: Path, out: Path) -> dict[str, int]:
+    """Delete what no one opens once the demo has run: the probe runs and the weights folders
+    of the run ``out`` (its model and checkpoints, a copy of the installed model each); keep
+    the run's logs, its report and the pairs the printed command names. Returns the deleted
+    folders (relative to ``folder``) and their bytes."""
+    doomed = [p for p in folder.iterdir() if p.is_dir() and p != out]
+    doomed += [p for p in out.iterdir() if p.is_dir() and not p.is_symlink()]
+    removed: dict[str, int] = {}
+    for path in sorted(doomed):
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        shutil.rmtree(path)
+        removed[f"{path.relative_to(folder).as_posix()}/"] = size
+    return removed

@@ -45,6 +45,13 @@ def embed_command(
     normalize: Annotated[bool, Opt("--normalize", help="Unit-length embeddings.")] = False,
     events: Events = None,
     cache_dir: CacheDir = None,
+    base_model: Annotated[
+        str | None,
+        Opt(
+            help="The folder of the model whose LoRA adapters MODEL_DIR holds.",
+            show_default="the base their adapter_config.json names",
+        ),
+    ] = None,
     overwrite: Overwrite = False,
 ) -> None:
     """Sentence embeddings of every row (sentence-transformers), OOM-guarded."""

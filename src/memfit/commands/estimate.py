@@ -1,4 +1,4 @@
-"""``memfit estimate``: the peak memory of one step, offline (:func:`memfit.estimate.estimate`),
+"""``memfit estimate``: the peak memory of one step, without the weights or a GPU (:func:`memfit.estimate.estimate`),
 printed as a breakdown, one JSON object, or a picture."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from memfit.errors import UsageError
 from memfit.extras import is_installed, missing_line
 from memfit.job import STEP_DEFAULTS, STEP_FIELDS
 from memfit.levers import LEVERS
+from memfit.models.hub import locate_config
 from memfit.paths import Kind, destination_problems, holds_mark, model_inputs
-from memfit.report.console import print_estimate
+from memfit.report.console import PLAN_SAFETY_MARGIN, margin_keys, print_estimate
 from memfit.units import format_bytes
 
 
@@ -107,7 +108,7 @@ def estimate_command(
     model: Annotated[
         str,
         typer.Argument(
-            help="Registry name, Hub id in the local cache, model folder or config.json."
+            help="Registry name, any Hub id (its config.json fetched when online), model folder or config.json."
         ),
     ],
     *,
@@ -126,6 +127,13 @@ def estimate_command(
             show_default="this machine's memory",
         ),
     ] = None,
+    safety_margin: Annotated[
+        float,
+        typer.Option(
+            help="Share of the budget memfit plan keeps free (0.05 = 5 %): the verdict says "
+            "when the step fits the budget but not the rest."
+        ),
+    ] = PLAN_SAFETY_MARGIN,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot: Annotated[
         str | None,
@@ -135,7 +143,11 @@ def estimate_command(
     trace_depth: TraceDepth = "auto",
     **knobs: Any,
 ) -> None:
-    """Predict the peak memory of one steady-state training (or eval) step, offline."""
+    """Predict the peak memory of one steady-state training (or eval) step, from the model's
+    config alone (a Hub id's config.json is fetched when online)."""
+    # memfit plan's own check, before the trace
+    if not 0 <= safety_margin < 1:
+        raise UsageError(f"--safety-margin: must be in [0, 1), got {safety_margin!r}")
     if plot is not None:
         _check_plot(plot, model, overwrite)
     knobs = given_knobs(knobs)
@@ -146,6 +158,10 @@ def estimate_command(
 
     # on screen before torch is imported (seconds); the estimator's report() calls refine it
     with progress.status("loading torch and transformers", subject=f"memfit estimate {model}"):
+        # a model found nowhere is refused before torch loads (seconds); a Hub fetch shows here
+        progress.report("looking up the model's config.json")
+        locate_config(model)
+        progress.report("loading torch and transformers")
         # start-up: torch and transformers load only when the estimate runs
         from memfit.estimate import estimate
 
@@ -163,9 +179,10 @@ def estimate_command(
             **knobs,
         )
     if as_json:
-        typer.echo(json.dumps(result.to_dict()))
+        # the verdict with memfit plan's margin beside the budget's own (``fits``)
+        typer.echo(json.dumps(result.to_dict() | margin_keys(result, safety_margin)))
     else:
-        print_estimate(result)
+        print_estimate(result, safety_margin=safety_margin)
         for lever in LEVERS:
             for line in lever.estimate_lines(result.details):
                 typer.echo(line)

@@ -16,6 +16,7 @@ from memfit.commands._options import TraceDepth, given_knobs, job_options
 from memfit.job import STEP_DEFAULTS, STEP_FIELDS
 from memfit.levers import ALLOWABLE
 from memfit.levers import flags as lever_flags
+from memfit.models.hub import locate_config
 from memfit.units import format_bytes
 
 # the job's sequence length is a question here (--seq-len only sets the micro-batch question's)
@@ -49,7 +50,7 @@ def limits_command(
     model: Annotated[
         str,
         typer.Argument(
-            help="Registry name, Hub id in the local cache, model folder or config.json."
+            help="Registry name, any Hub id (its config.json fetched when online), model folder or config.json."
         ),
     ],
     *,
@@ -96,6 +97,10 @@ def limits_command(
     allowed = [a for a in (allow or "").split(",") if a.strip()]
     # on screen before torch is imported (seconds); the solver's report() calls refine it
     with progress.status("loading torch and transformers", subject=f"memfit limits {model}"):
+        # a model found nowhere is refused before torch loads (seconds); a Hub fetch shows here
+        progress.report("looking up the model's config.json")
+        locate_config(model)
+        progress.report("loading torch and transformers")
         # start-up: torch and transformers load only when the limits are solved
         from memfit.plan.limits import limits
 
@@ -129,7 +134,7 @@ def lines(result: Any) -> list[str]:
     usable = format_bytes(result.usable_bytes)
     out = [
         f"Budget: {format_bytes(result.budget_bytes)}, {usable} usable after the "
-        f"{result.safety_margin:.0%} margin; host memory {format_bytes(result.host_budget_bytes)}.",
+        f"{result.safety_margin * 100:g} % safety margin; host memory {format_bytes(result.host_budget_bytes)}.",
         *result.notes,
     ]
     asked = [("max_seq_len", result.max_seq_len), ("max_micro_batch", result.max_micro_batch)]

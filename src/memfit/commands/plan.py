@@ -22,6 +22,7 @@ from memfit.errors import UsageError
 from memfit.job import STEP_DEFAULTS, round_seq_len
 from memfit.levers import ALLOWABLE
 from memfit.levers.packing import packing_strategy
+from memfit.models.hub import locate_config
 from memfit.paths import (
     Kind,
     check_writable_file,
@@ -30,7 +31,7 @@ from memfit.paths import (
     model_inputs,
     starts_with,
 )
-from memfit.report.console import print_plan
+from memfit.report.console import PLAN_SAFETY_MARGIN, print_plan
 
 if TYPE_CHECKING:
     from memfit.plan import DataProfile
@@ -71,7 +72,12 @@ PLANNED = (
     },
 )
 def plan_command(
-    model: Annotated[str, typer.Argument(help="A known name, a model folder or a config.json.")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Registry name, any Hub id (its config.json fetched when online), model folder or config.json."
+        ),
+    ],
     *,
     gpu_memory: Annotated[
         str | None, typer.Option(help="The budget, e.g. 16GiB (2^30) or 16GB (10^9).")
@@ -119,7 +125,7 @@ def plan_command(
     ] = None,
     safety_margin: Annotated[
         float, typer.Option(help="Share of the budget kept free (0.05 = 5 %).")
-    ] = 0.05,
+    ] = PLAN_SAFETY_MARGIN,
     host_memory: Annotated[
         str | None,
         typer.Option(
@@ -179,6 +185,10 @@ def plan_command(
             raise UsageError(problems[0])
     # on screen before torch is imported; the estimates the plan runs refine it
     with progress.status("loading torch and transformers", subject=f"memfit plan {model}"):
+        # a model found nowhere is refused before torch loads (seconds); a Hub fetch shows here
+        progress.report("looking up the model's config.json")
+        locate_config(model)
+        progress.report("loading torch and transformers")
         # start-up: torch and transformers load only when the plan runs
         from memfit.plan import plan
 
@@ -233,7 +243,10 @@ def plan_command(
         if write_config is not None and result.chosen is not None:
             typer.echo(f"wrote {write_config}")
     if not result.fits:
-        where = result.budget_words()
+        # start-up: memfit.plan is loaded (the plan ran)
+        from memfit.plan.explain import budget_with_margin
+
+        where = budget_with_margin(result)
         if write_config is not None:
             sys.stderr.write(f"memfit: nothing fits in {where}: {write_config} not written\n")
         elif as_json:  # stdout holds the JSON: the verdict goes to stderr

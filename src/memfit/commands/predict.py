@@ -46,6 +46,13 @@ def predict_command(
     precision: Precision = "fp32",
     events: Events = None,
     cache_dir: CacheDir = None,
+    base_model: Annotated[
+        str | None,
+        Opt(
+            help="The folder of the model whose LoRA adapters MODEL_DIR holds.",
+            show_default="the base their adapter_config.json names",
+        ),
+    ] = None,
     overwrite: Overwrite = False,
 ) -> None:
     """Labels and probabilities (classifier) or per-row loss (causal LM), OOM-guarded."""

@@ -20,6 +20,7 @@ from memfit.config import load_config
 from memfit.errors import UsageError
 from memfit.job import JOB_FIELDS, flag_of, parse_target_modules
 from memfit.levers import BY_NAME
+from memfit.models.folder import by_name_problem
 from memfit.paths import check_writable_dir
 from memfit.runtime import launched_world_size
 from memfit.train.config import INHERITED_HELP, SHOWN_DEFAULTS, TrainConfig
@@ -315,6 +316,10 @@ def train_command(config: str | None = None, **knobs: Any) -> None:
             raise UsageError(f"{config}: settings memfit train does not take: {', '.join(unknown)}")
         # --resume, or the environment's (a restarted managed job finds its run folder)
         resume = knobs["resume"] or bool(settings.pop("resume", False))
+        # a Hub id whose weights are in no cache while the Hub does not answer: one line now,
+        # before torch and transformers take their seconds to load
+        if problem := by_name_problem(str(settings["model"]), "--model"):
+            raise UsageError(problem)
         progress.report(
             f"loading {settings['model']}, tokenizing {settings['train_file']}, "
             "planning the micro-batch"

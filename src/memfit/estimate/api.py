@@ -45,7 +45,7 @@ from memfit.job import (
 )
 from memfit.levers.activation_offloading import mode_problem as offloading_mode_problem
 from memfit.models import resolve_model
-from memfit.step import linear_ce, offload, weights
+from memfit.step import linear_ce, offload, trl_head, weights
 from memfit.units import parse_size
 
 BREAKDOWN_KEYS = (*CATEGORIES, "allocator_overhead", "runtime_overhead")
@@ -526,7 +526,23 @@ def _details(
     details["weights"] = _weights_details(traced)
     if spec.task == "causal-lm" and spec.cross_entropy == "fused-linear":
         details["cross_entropy"] = _cross_entropy_details(traced.config, spec, shape)
+    if spec.task == "causal-lm" and spec.cross_entropy == "trl-chunked":
+        details["cross_entropy"] = _trl_head_details(spec, shape)
     return details
+
+
+def _trl_head_details(spec: StepSpec, shape: tuple[int, int]) -> dict[str, Any]:
+    """``details["cross_entropy"]`` for TRL SFTTrainer's fused LM head: its tiles and how many
+    token tiles the micro-batch's target positions (every row's but the last) make."""
+    token_tile, vocab_tile = trl_head.tiles()
+    rows = shape[0] * max(shape[1] - 1, 1)
+    return {
+        "kind": "trl-chunked",
+        "implementation": trl_head.implementation(spec.device),
+        "token_tile": token_tile,
+        "vocab_tile": vocab_tile,
+        "token_tiles": -(-rows // token_tile),
+    }
 
 
 def _cross_entropy_details(config: Any, spec: StepSpec, shape: tuple[int, int]) -> dict[str, Any]:

@@ -56,17 +56,18 @@ from memfit.estimate.step_trace import (
     StepTrace,
 )
 from memfit.estimate.workload import StepSpec
-from memfit.step import linear_ce
+from memfit.step import linear_ce, trl_head
 
 FORMAT = 1
 # a trace file inflates to at most this much (a 48-layer model's is a few MB)
 MAX_BYTES = 256 * 2**20
 # the size formulas a trace may name: functions of sdpa_kernels bound to plain arguments, and the
-# fused-linear loss's chunk slots (memfit.step.linear_ce.declared_chunks), a plain function
+# fused-linear loss's chunk slots (memfit.step.linear_ce.declared_chunks) and TRL's head's tiles
+# (memfit.step.trl_head), plain functions
 _FUNCTIONS = {
     name: getattr(sdpa_kernels, name)
     for name in ("_split_kv_bytes", "_rounded_bytes", "_padded_mask_bytes", "_workspace_formula")
-} | {"slot_bytes": linear_ce.slot_bytes}
+} | {"slot_bytes": linear_ce.slot_bytes, "tile_bytes": trl_head.tile_bytes}
 FORMULAS = frozenset(_FUNCTIONS)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
-from memfit import step
+from memfit import quiet, step
 from memfit.errors import UsageError
 from memfit.estimate import quantized
 from memfit.estimate.attention import config_attention
@@ -28,7 +28,7 @@ from memfit.estimate.step_spec import PRECISION_DTYPES, StepSpec
 from memfit.estimate.task_model import BiEncoder, lora_head_modules
 from memfit.extras import require
 from memfit.levers.lora import LORA_DROPOUT
-from memfit.step import weights
+from memfit.step import trl_head, weights
 
 # sentence-transformers' MultipleNegativesRankingLoss default: cosine similarity times 20
 MNRL_SCALE = 20.0
@@ -80,10 +80,10 @@ def build_model(
                 gradient_checkpointing_kwargs=kwargs
             )
     if spec.lora_rank:
-        with warnings.catch_warnings():
-            # peft asks transformers' deprecated is_gradient_checkpointing
-            warnings.simplefilter("ignore", FutureWarning)
-            # peft switches fan_in_fan_out on by itself for GPT-2's Conv1D, and says so
+        # peft asks transformers' deprecated is_gradient_checkpointing (memfit.quiet drops it)
+        with quiet.calls(), warnings.catch_warnings():
+            # peft switches fan_in_fan_out on by itself for GPT-2's Conv1D, and says so (the
+            # target modules are memfit's choice here)
             warnings.filterwarnings("ignore", message="fan_in_fan_out", category=UserWarning)
             model = with_lora(model, spec)
         if spec.quantization != "none":
@@ -530,6 +530,17 @@ def compute_loss(model: nn.Module, batch: dict[str, Any], spec: StepSpec) -> tor
         labels = batch["labels"]
         # every token but each row's first is a target (the count only scales the loss)
         units = labels.size(0) * max(labels.size(1) - 1, 1)
+        if spec.cross_entropy == "trl-chunked":
+            # TRL SFTTrainer's fused LM head (memfit.step.trl_head): its own function on real
+            # tensors, its loop over two token tiles on the estimator's fake ones
+            return trl_head.trl_chunked_loss(
+                model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                labels,
+                units,
+                position_ids=batch.get("position_ids"),
+            )
         # fused-linear: memfit's chunked loss (on a CUDA target it stands for Liger's kernel,
         # which allocates the same chunks)
         return step.causal_lm_loss(

@@ -24,7 +24,12 @@ from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
 from memfit.extras import problems as missing_packages
 from memfit.infer.inputs import FLAG, id_type, read_input
-from memfit.infer.model import load_sentence_transformer, model_folder
+from memfit.infer.model import (
+    adapter_problems,
+    load_sentence_transformer,
+    model_folder,
+    plan_folder,
+)
 from memfit.infer.output import (
     EMBED_SUFFIXES,
     AtomicOutput,
@@ -52,8 +57,8 @@ class Embedder:
     num_labels = 2  # no head: the estimate's default
 
     def __init__(self, folder: Path, cfg: InferConfig) -> None:
-        self.model: Any = load_sentence_transformer(folder)
-        positions = resolve_model(str(folder)).max_positions
+        self.model: Any = load_sentence_transformer(folder, cfg.base_model)
+        positions = resolve_model(str(plan_folder(folder, cfg.base_model))).max_positions
         declared = self.model.max_seq_length
         limit = (
             min(declared, positions) if isinstance(declared, int) and declared > 0 else positions
@@ -137,6 +142,7 @@ def embed(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
         folder = model_folder(cfg.model)
     except UsageError as exc:
         problems.append(str(exc))
+    problems += adapter_problems(folder, cfg.base_model)
     try:
         resolve_sources(cfg.file, FLAG)
     except UsageError as exc:
@@ -180,7 +186,7 @@ def embed(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
             table_out.write(indices, ids, np.stack(outputs))
 
     with out:
-        return run(cfg, "embed", runner, data, folder, write)
+        return run(cfg, "embed", runner, data, plan_folder(folder, cfg.base_model), write)
 
 
 # importing this module binds memfit.infer.embed to it: calling it still runs embed()

@@ -33,9 +33,11 @@ from memfit.data.sources import resolve_sources
 from memfit.errors import UsageError
 from memfit.infer.inputs import FLAG, Input, read_input
 from memfit.infer.model import (
+    adapter_problems,
     load_predict_model,
     load_tokenizer,
     model_folder,
+    plan_folder,
     predict_task,
 )
 from memfit.infer.output import JsonlOutput, check_output, destination_problems
@@ -77,8 +79,8 @@ class _TextModel:
     num_labels: int = 2
 
     def __init__(self, folder: Path, cfg: InferConfig) -> None:
-        self.tokenizer = load_tokenizer(folder)
-        self.model = load_predict_model(folder, self.task)
+        self.tokenizer = load_tokenizer(folder, cfg.base_model)
+        self.model = load_predict_model(folder, self.task, cfg.base_model)
         self.positions = model_limit(self.tokenizer, self.model.config)
         self.max_seq_len = check_max_seq_len(cfg, self.positions, str(folder))
         specials = self.tokenizer.num_special_tokens_to_add(pair=cfg.text_pair_column is not None)
@@ -264,6 +266,7 @@ def predict(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
         task = predict_task(folder, cfg.task)
     except UsageError as exc:
         problems.append(str(exc))
+    problems += adapter_problems(folder, cfg.base_model)
     try:
         resolve_sources(cfg.file, FLAG)
     except UsageError as exc:
@@ -299,7 +302,7 @@ def predict(config: InferConfig | None = None, /, **knobs: Any) -> InferResult:
         def write(indices: list[int], outputs: list[Any]) -> None:
             out.write([_record(data, runner, i, o) for i, o in zip(indices, outputs, strict=True)])
 
-        return run(cfg, "predict", runner, data, folder, write)
+        return run(cfg, "predict", runner, data, plan_folder(folder, cfg.base_model), write)
 
 
 def _record(

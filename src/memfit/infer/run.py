@@ -103,6 +103,9 @@ class InferConfig:
     """``--prompt-name`` (embed): a prompt of the sentence-transformers model's ``prompts``."""
     normalize: bool = False
     """``--normalize`` (embed): unit-length embeddings."""
+    base_model: str | None = None
+    """``--base-model``: the folder of the model whose LoRA adapters MODEL_DIR holds (default:
+    the one their ``adapter_config.json`` names)."""
     overwrite: bool = False
     """``--overwrite``: replace an existing ``--output`` or ``--events`` file that memfit did not
     write (an input never: :func:`memfit.infer.output.destination_problems`)."""

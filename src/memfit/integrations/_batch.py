@@ -9,6 +9,7 @@ row-indexed (strings, scalars, tensors of another length) are handed to every ch
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -38,6 +39,72 @@ def split_batch(inputs: Mapping[str, Any], chunk_rows: int) -> list[dict[str, An
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
                 # a view of the collated batch: the chunk costs no memory of its own
                 chunk[key] = value[start : start + chunk_rows]
+            else:
+                chunk[key] = value
+        chunks.append(chunk)
+    return chunks
+
+
+def sequence_starts(inputs: Mapping[str, Any]) -> list[int] | None:
+    """Where each sequence of a padding-free micro-batch begins, None for a padded one.
+
+    Padding-free (TRL's ``padding_free`` and its ``bfd`` packing, transformers'
+    ``DataCollatorWithFlattening``): the micro-batch's sequences are laid end to end in one row,
+    ``input_ids`` of shape (1, T), with ``position_ids`` that restart at 0 where a sequence begins
+    and no ``attention_mask`` (the model keeps the sequences apart by their position ids). Its
+    pieces are those sequences, not the one row."""
+    positions = inputs.get("position_ids")
+    ids = inputs.get("input_ids")
+    if "attention_mask" in inputs or not isinstance(positions, torch.Tensor):
+        return None
+    if positions.dim() != 2 or positions.shape[0] != 1:
+        return None
+    if isinstance(ids, torch.Tensor) and tuple(ids.shape[:2]) != tuple(positions.shape):
+        return None
+    starts = positions[0].eq(0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        return [0, *starts]  # a first sequence that does not start at 0 is a sequence still
+    return [int(i) for i in starts]
+
+
+def split_sequences(
+    inputs: Mapping[str, Any], starts: list[int], chunk_sequences: int
+) -> list[dict[str, Any]]:
+    """A padding-free micro-batch (see :func:`sequence_starts`) as consecutive chunks of at most
+    ``chunk_sequences`` whole sequences, in order.
+
+    Each chunk cuts every (1, T) tensor at sequence boundaries (views): the position ids still
+    restart at 0 where a sequence begins, and the label of a sequence's first token is -100 in
+    the collated batch already (no target crosses a boundary), so the chunks' target tokens are
+    the call's. The varlen attention keywords are the chunk's own: ``cu_seq_lens_q/k`` its
+    boundaries from 0, ``max_length_q/k`` its longest sequence, ``seq_idx`` counted from 0."""
+    if chunk_sequences < 1:
+        raise ValueError(f"chunk_sequences must be at least 1, got {chunk_sequences}")
+    width = int(inputs["position_ids"].shape[1])
+    bounds = [*starts, width]
+    chunks: list[dict[str, Any]] = []
+    for first in range(0, len(starts), chunk_sequences):
+        edges = bounds[first : first + chunk_sequences + 1]
+        begin, end = edges[0], edges[-1]
+        longest = max(b - a for a, b in itertools.pairwise(edges))
+        chunk: dict[str, Any] = {}
+        for key, value in inputs.items():
+            if key in ("cu_seq_lens_q", "cu_seq_lens_k") and isinstance(value, torch.Tensor):
+                chunk[key] = torch.tensor([e - begin for e in edges], dtype=value.dtype)
+                chunk[key] = chunk[key].to(value.device)
+            elif key in ("max_length_q", "max_length_k") and isinstance(value, int):
+                chunk[key] = longest
+            elif (
+                isinstance(value, torch.Tensor)
+                and value.dim() > 1
+                and value.shape[:2]
+                == (
+                    1,
+                    width,
+                )
+            ):
+                part = value[:, begin:end]
+                chunk[key] = part - part[0, 0] if key == "seq_idx" else part
             else:
                 chunk[key] = value
         chunks.append(chunk)

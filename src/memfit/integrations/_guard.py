@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback
 
+from memfit import quiet
 from memfit.errors import NothingFitsError
 from memfit.guard.cap import CpuMemoryCap, memory_cap
 from memfit.guard.guard import PeerOutOfMemory
@@ -276,7 +277,8 @@ class TrainerGuardMixin(_TrainerBase):
             self.add_callback(_StepReset(self))
         self._guard_join_ranks()
         try:
-            with Surfaced(), self._guard_capped():
+            # quiet.calls: the Trainer's own dataloader pins memory where there is no GPU
+            with Surfaced(), self._guard_capped(), quiet.calls():
                 # an OOM anywhere else goes on up as it is (training_step catches its own)
                 with CatchOom(when=lambda: self._guard_updating) as caught:
                     return super().train(*args, **kwargs)
@@ -394,16 +396,25 @@ class TrainerGuardMixin(_TrainerBase):
         self._guard_emit(event)
         self._guard_adopt(inputs, agreed)
 
+    # -- what a piece of a call is ------------------------------------------------------------
+    def _guard_rows(self, inputs: Mapping[str, Any]) -> int:
+        """The pieces a call's ``inputs`` can be cut into (the rows of a padded batch)."""
+        return batch_rows(inputs)
+
+    def _guard_split(self, inputs: Mapping[str, Any], size: int) -> list[dict[str, Any]]:
+        """``inputs`` as consecutive chunks of at most ``size`` pieces, in order."""
+        return split_batch(inputs, size)
+
     def _guard_current_size(self, inputs: Mapping[str, Any]) -> int:
         """The rows this rank runs at once in a call of ``inputs``."""
-        rows = batch_rows(inputs)
+        rows = self._guard_rows(inputs)
         return min(self.guard_micro_batch_size or rows, rows)
 
     def _guard_propose(self, inputs: Mapping[str, Any], error: str, step: int) -> int:
         """This rank's own OOM: its ``oom`` event, and the size it proposes (0: none)."""
         size = self._guard_current_size(inputs)
         self._guard_emit({"type": "oom", "step": step, "micro_batch_size": size, "error": error})
-        return BackOff.halve(size, batch_rows(inputs))
+        return BackOff.halve(size, self._guard_rows(inputs))
 
     def _guard_stop_reason(self, inputs: Mapping[str, Any]) -> str:
         return "one row per forward pass does not fit"
@@ -444,7 +455,7 @@ class TrainerGuardMixin(_TrainerBase):
         """One Trainer call: whole, or in chunks of ``guard_micro_batch_size`` rows (with
         several ranks, a sync point after each, see :mod:`memfit.integrations._ranks`)."""
         size = self.guard_micro_batch_size
-        rows = batch_rows(inputs)
+        rows = self._guard_rows(inputs)
         whole = size is None or size >= rows
         # agreed before the split and the weights allocate anything (the probe runs a forward)
         slots = self._guard_sync_slots(1 if whole else -(-rows // int(size or rows)))
@@ -453,7 +464,7 @@ class TrainerGuardMixin(_TrainerBase):
             for _ in range(slots):
                 self._guard_sync()
             return loss
-        chunks = split_batch(inputs, int(size or rows))
+        chunks = self._guard_split(inputs, int(size or rows))
         weights = self._guard_weights(model, inputs, chunks, num_items_in_batch)
         total: torch.Tensor | None = None
         for index in range(slots):
@@ -497,7 +508,7 @@ class TrainerGuardMixin(_TrainerBase):
     ) -> bool | None:
         shifted = self._guard_shifted_labels()
         row = next(
-            (c for c in split_batch(inputs, 1) if count_items(c, shifted_labels=shifted) > 0),
+            (c for c in self._guard_split(inputs, 1) if count_items(c, shifted_labels=shifted) > 0),
             None,
         )
         if row is None:
@@ -607,7 +618,7 @@ class TrainerGuardMixin(_TrainerBase):
     def _guard_back_off(self, inputs: Mapping[str, Any], error: str) -> None:
         """Halve the chunk size after an OOM in a call of ``inputs``' size; NothingFitsError
         (with a ``stop`` event) when one row did not fit."""
-        rows = batch_rows(inputs)
+        rows = self._guard_rows(inputs)
         size = min(self.guard_micro_batch_size or rows, rows)
         step = self._guard_step_number()
         self.guard_micro_batch_size = back_off(
@@ -675,7 +686,7 @@ class TrainerGuardMixin(_TrainerBase):
         where the guard steps aside (FSDP, DeepSpeed: their forward communicates)."""
         if self._guard_aside is not None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        rows = batch_rows(inputs)
+        rows = self._guard_rows(inputs)
         while True:
             size = self.guard_eval_batch_size
             # an OOM of a batch that may be split is caught (see _guard_eval_splittable)
@@ -713,7 +724,7 @@ class TrainerGuardMixin(_TrainerBase):
         losses: list[tuple[torch.Tensor, int]] = []
         logits: list[Any] = []
         labels: list[Any] = []
-        for chunk in split_batch(inputs, size):
+        for chunk in self._guard_split(inputs, size):
             loss, chunk_logits, chunk_labels = super().prediction_step(
                 model, chunk, prediction_loss_only, ignore_keys
             )

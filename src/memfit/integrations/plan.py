@@ -11,7 +11,9 @@ weights (QLoRA): bitsandbytes' ``BitsAndBytesConfig`` is the ``quantization_conf
 ``from_pretrained``, which no ``TrainingArguments`` field sets; plan them with ``memfit plan
 --allow lora,quantization`` and load the model with it yourself. The paged optimizers are
 ``TrainingArguments.optim`` values (``paged_adamw_8bit``, ``paged_adamw_32bit``) and are applied.
-A causal LM's fused linear cross-entropy is Liger Kernel's, through ``use_liger_kernel`` with a
+TRL's ``SFTConfig`` is priced with SFTTrainer's own chunked LM head (``trl-chunked``) and never
+gets Liger's fused loss, which SFTTrainer refuses. Elsewhere a causal LM's fused linear
+cross-entropy is Liger Kernel's, through ``use_liger_kernel`` with a
 ``liger_kernel_config`` that patches only the loss (the step memfit estimated), planned only where
 it runs (liger-kernel installed, a CUDA GPU, a model type Liger patches); pure bf16 weights are
 the model's dtype, which TRL's configs set through ``model_init_kwargs`` when their trainer loads
@@ -155,6 +157,46 @@ def _own_offloading(args: Any, names: set[str]) -> bool | None:
     return True if getattr(args, "activation_offloading", False) else None
 
 
+def _sft_task(args: Any) -> str | None:
+    """TRL's ``SFTConfig`` (or a subclass) configures a causal LM's training: its task."""
+    return "causal-lm" if any(c.__name__ == "SFTConfig" for c in type(args).__mro__) else None
+
+
+def _own_seq_len(args: Any, names: set[str]) -> int:
+    """The sequence length TRL's ``SFTConfig`` truncates to (``max_length``), for a plan given
+    no ``seq_len``; a clear error without one."""
+    length = getattr(args, "max_length", None) if "max_length" in names else None
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return length
+    where = (
+        "these arguments' max_length is None"
+        if "max_length" in names
+        else f"{type(args).__name__} says no sequence length"
+    )
+    raise UsageError(
+        f"apply_plan: seq_len: the plan needs the longest sequence a batch holds and {where}; "
+        "pass seq_len=, e.g. seq_len=1024"
+    )
+
+
+# TRL's SFTConfig.packing_strategy → memfit's packing strategy (bfd_split splits what bfd
+# truncates: the same packed shapes)
+_PACKING_STRATEGIES = {"bfd": "bfd", "bfd_split": "bfd", "wrapped": "wrapped"}
+
+
+def _own_packing(args: Any, names: set[str]) -> dict[str, Any]:
+    """The job's packing as TRL's ``SFTConfig`` says it, pinned for the plan: ``packing`` with its
+    ``packing_strategy``; ``padding_free`` alone (each micro-batch's rows laid end to end, no
+    padding) is priced as ``bfd``, whose micro-batches TRL lays out so. {} for arguments
+    without these fields or with both off."""
+    if "packing" in names and getattr(args, "packing", False):
+        strategy = _PACKING_STRATEGIES.get(str(getattr(args, "packing_strategy", "bfd")), "bfd")
+        return {"packing": True, "packing_strategy": strategy}
+    if "padding_free" in names and getattr(args, "padding_free", False):
+        return {"packing": True, "packing_strategy": "bfd"}
+    return {}
+
+
 def _wanted(
     args: Any, settings: dict[str, Any], own: dict[str, Any], per_rank: int
 ) -> dict[str, Any]:
@@ -226,7 +268,12 @@ def own_cross_entropy(args: Any, config: Any) -> str | None:
       otherwise the standard loss (the Trainer applies no fused loss to a type Liger lacks).
     - Not given: ``standard`` where the fused loss would not run: liger-kernel not installed,
       arguments on the CPU (Liger's kernels need CUDA), or a model type Liger does not patch.
+    - TRL's ``SFTConfig`` (its ``SFTTrainer``): TRL's own loss, whatever ``use_liger_kernel``
+      says (:func:`trl_loss`); SFTTrainer raises on Liger's fused loss and turns it off.
     """
+    if _sft_task(args) is not None:
+        # TRL's SFTTrainer computes its own loss (trl_loss) and refuses Liger's fused one
+        return trl_loss()
     patched = getattr(config, "model_type", None) in liger_model_types()
     if getattr(args, "use_liger_kernel", False):
         liger = getattr(args, "liger_kernel_config", None) or {}
@@ -235,6 +282,20 @@ def own_cross_entropy(args: Any, config: Any) -> str | None:
     if not (_liger_installed() and _on_cuda(args) and patched):
         return "standard"
     return None
+
+
+def trl_loss() -> str:
+    """The loss TRL's ``SFTTrainer`` computes, as a memfit ``cross_entropy``. trl 1.16's
+    ``SFTTrainer.__init__`` adds a fused LM head (``trl.trainer.utils.add_fused_lm_head``) and its
+    ``compute_loss`` calls ``model(**inputs, fused_lm_head=True)``: per-token log-probabilities
+    in tiles, never the full logits, and never Liger's fused loss (its ``__init__`` raises
+    ValueError on ``liger_kernel_config={"fused_linear_cross_entropy": True}``): ``trl-chunked``
+    (:mod:`memfit.step.trl_head`). A TRL without ``add_fused_lm_head`` (before its fused head)
+    computes the standard loss over the full logits: ``standard``."""
+    # start-up: the head's module imports torch, which importing memfit.integrations must not
+    from memfit.step.trl_head import trl_problem
+
+    return "trl-chunked" if trl_problem() is None else "standard"
 
 
 def _on_cuda(args: Any) -> bool:
@@ -251,7 +312,7 @@ def apply_plan(
     args: Any,
     model: Any,
     *,
-    seq_len: int,
+    seq_len: int | None = None,
     task: str | None = None,
     gpu_memory: int | str | None = None,
     gpu: str | None = None,
@@ -278,14 +339,19 @@ def apply_plan(
 
     ``weights_dtype`` pins the weights' dtype (``auto``: the checkpoint's; ``fp32``; ``bf16``/
     ``fp16``: pure 16-bit); not given, a model object's own (its weights all in one dtype) is
-    kept. ``cross_entropy`` pins a causal LM's loss (``standard`` or ``fused-linear``); not given,
+    kept. ``cross_entropy`` pins a causal LM's loss (``standard``, ``fused-linear`` or
+    ``trl-chunked``); for TRL's ``SFTConfig`` it is TRL's own chunked LM head (``trl-chunked``,
+    :func:`trl_loss`; ``fused-linear`` refused: SFTTrainer raises on Liger's fused loss); not given,
     arguments with ``use_liger_kernel`` keep their own, and the plan keeps the standard loss where
     Liger's would not run (liger-kernel not installed, arguments on the CPU, a model type Liger
     does not patch: :func:`own_cross_entropy`); else the plan may choose Liger's fused linear
     cross-entropy (``use_liger_kernel`` and a ``liger_kernel_config`` that patches only the
     loss). Activation offloading is planned only for arguments that have TRL's
     ``activation_offloading`` field (``SFTConfig``: its trainer offloads when it is set; set
-    already, it is kept): plain ``TrainingArguments`` are planned without it. Raises
+    already, it is kept): plain ``TrainingArguments`` are planned without it. TRL's
+    ``SFTConfig`` also says the job's sequence length (``max_length``, the default of
+    ``seq_len``) and its packing (``packing`` with its ``packing_strategy``, or
+    ``padding_free``: priced as the padding-free ``bfd`` packing), which the plan keeps. Raises
     :class:`~memfit.errors.UsageError` for bad input (no budget on a
     machine without a GPU, an unknown model) and :class:`~memfit.errors.NothingFitsError` when
     no configuration fits, with what would help.
@@ -298,6 +364,8 @@ def apply_plan(
     # the arguments' fields, for a lever some of them set (TRL's model_init_kwargs); the refusal
     # comes before anything else of the arguments is read
     names = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set()
+    if seq_len is None:
+        seq_len = _own_seq_len(args, names)
     # pure 16-bit weights are the model's dtype: a model given by name loads in it through TRL's
     # model_init_kwargs (refused without them); a loaded model is the caller's to load so, which
     # the plan says in its changes, whatever the arguments
@@ -338,7 +406,7 @@ def apply_plan(
         reference = _model_reference(model, Path(scratch))
         # messages name what the user passed, not the scratch folder of an in-memory config
         shown = f"the {type(model).__name__}" if reference == scratch else reference
-        resolved_task = task or _guess_task(model, reference)
+        resolved_task = task or _guess_task(model, reference) or _sft_task(args)
         if resolved_task is None:
             raise UsageError(
                 f"apply_plan: task: cannot tell the task of {type(model).__name__}; pass "
@@ -347,6 +415,13 @@ def apply_plan(
         config = _hf_config(model) if loaded else None
         if num_labels is None:
             num_labels = int(getattr(config, "num_labels", 2) or 2)
+        sft = _sft_task(args) is not None
+        if sft and resolved_task == "causal-lm" and cross_entropy == "fused-linear":
+            raise UsageError(
+                "apply_plan: cross_entropy: fused-linear is Liger Kernel's fused loss, which "
+                "TRL's SFTTrainer refuses (it computes its own chunked loss from the hidden "
+                "states); leave cross_entropy out"
+            )
         if cross_entropy is None and resolved_task == "causal-lm":
             # the loss the Trainer would run: Liger's fused loss only where it patches the model
             if config is None:
@@ -371,6 +446,7 @@ def apply_plan(
                 # the loss pin is a causal LM's (the plan refuses it for other tasks)
                 cross_entropy=cross_entropy if resolved_task == "causal-lm" else None,
                 activation_offloading=_own_offloading(args, names),
+                **_own_packing(args, names),
             )
         except UsageError as exc:
             text = str(exc)
@@ -394,6 +470,11 @@ def apply_plan(
         "cross_entropy": cross_entropy,
     }
     wanted = _wanted(args, settings, own, effective // world_size)
+    if sft:
+        # never Liger's fused loss onto an SFTConfig: SFTTrainer.__init__ raises ValueError on
+        # liger_kernel_config={"fused_linear_cross_entropy": True} (trl 1.16, sft_trainer.py)
+        wanted.pop("use_liger_kernel", None)
+        wanted.pop("liger_kernel_config", None)
     chosen_dtype = settings.get("weights_dtype")
     if chosen_dtype not in (None, "auto", weights_dtype):
         # the model's dtype is where it is loaded: TRL's trainer loads a model given by name

@@ -49,6 +49,7 @@ import torch
 from sentence_transformers import SentenceTransformerTrainer
 from torch import nn
 
+from memfit import quiet
 from memfit.guard.policy import BackOff, back_off
 from memfit.integrations._batch import batch_rows
 from memfit.integrations._guard import MEAN, SUM, TrainerGuardMixin
@@ -114,6 +115,7 @@ class GuardedSentenceTransformerTrainer(TrainerGuardMixin, SentenceTransformerTr
         memfit_plan: dict[str, Any] | bool | None = None,
         **kwargs: Any,
     ) -> None:
+        quiet.install()  # the library lines that say nothing (memfit.quiet)
         self._guard_init(memory_cap=memory_cap, grow_after=grow_after)
         self.guard_mini_batch_size = None
         # original loss (by id) → its cached stand-in, made once

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import Trainer
 
+from memfit import quiet
 from memfit.errors import UsageError
 from memfit.integrations._guard import TrainerGuardMixin
 from memfit.integrations._weights import model_weights_dtype
@@ -154,6 +155,7 @@ class GuardedTrainer(TrainerGuardMixin, _OffloadPerCall, Trainer):
         memfit_plan: dict[str, Any] | bool | None = None,
         **kwargs: Any,
     ) -> None:
+        quiet.install()  # the library lines that say nothing (memfit.quiet)
         self._guard_init(memory_cap=memory_cap, grow_after=grow_after)
         self._memfit_offload = None  # TRL's activation offloading context, once built
         self.memfit_plan: PlannedArguments | None = None

@@ -24,6 +24,7 @@ credited to fused-linear, so the model errs against it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,7 +35,17 @@ from memfit.levers.base import Chosen, Lever, Room
 from memfit.levers.cure import Fix, Patient
 from memfit.units import format_bytes
 
-CROSS_ENTROPIES = ("standard", "fused-linear")
+# trl-chunked: TRL SFTTrainer's own fused LM head (trl.kernels.chunked_logprob), which only
+# SFTTrainer runs: memfit estimate and plan price it pinned (apply_plan pins it for an
+# SFTConfig), a plan and the doctor never propose it (plan_options, cure), memfit train refuses
+# it (TRAIN_REFUSAL). Not a run_problems: the planner refuses those even pinned
+TRL_CHUNKED = "trl-chunked"
+TRAIN_REFUSAL = (
+    "--cross-entropy trl-chunked: TRL's SFTTrainer computes this loss, memfit train does not; "
+    "train with --cross-entropy standard or fused-linear, or run SFTTrainer "
+    "(memfit.integrations.GuardedSFTTrainer)"
+)
+CROSS_ENTROPIES = ("standard", "fused-linear", "trl-chunked")
 # Liger's apply_liger_kernel_to_<model> keywords (each takes those of its signature and ignores
 # the rest): only the fused linear cross-entropy, so that the step that runs is the one estimated
 LIGER_CONFIG = {
@@ -49,6 +60,23 @@ LIGER_CONFIG = {
 # the share of peak FLOP/s large matmuls reach (memfit.plan.cost.E_MAX: the levers do not import
 # the plan)
 _E_MAX = 0.6
+
+
+def trl_head_problem() -> str | None:
+    """Why ``--cross-entropy trl-chunked`` cannot be priced here (one line: TRL with its fused LM
+    head, ``trl.trainer.utils.add_fused_lm_head``, does not import), or None. The estimate traces
+    TRL's own code (memfit.step.trl_head, which the levers do not import, says the same)."""
+    problem = (
+        "--cross-entropy trl-chunked: TRL's fused LM head (trl >= 1.16) is not installed; "
+        "pip install 'memfit[trl]'"
+    )
+    if importlib.util.find_spec("trl") is None:
+        return problem
+    try:
+        from trl.trainer import utils as trl_utils  # optional: the trl extra
+    except Exception:  # an old or broken TRL
+        return problem
+    return None if hasattr(trl_utils, "add_fused_lm_head") else problem
 
 
 def head_bytes(values: Mapping[str, Any], checkpoint_bytes: int) -> int:
@@ -71,8 +99,9 @@ def head_bytes(values: Mapping[str, Any], checkpoint_bytes: int) -> int:
 @dataclass(kw_only=True)
 class CrossEntropyKnobs:
     cross_entropy: str | None = knob(
-        "standard | fused-linear: causal-lm's token loss; fused-linear never builds the full "
-        "logits (Liger Kernel's on CUDA).",
+        "standard | fused-linear | trl-chunked: causal-lm's token loss; fused-linear never "
+        "builds the full logits (Liger Kernel's on CUDA); trl-chunked is TRL SFTTrainer's own "
+        "chunked head (estimate and plan only).",
         choices=CROSS_ENTROPIES,
         shown_default="standard",
     )
@@ -92,11 +121,14 @@ class CrossEntropy(Lever):
     pins: ClassVar[tuple[str, ...]] = ("cross_entropy",)
 
     def problems(self, job: Job) -> list[str]:
-        if job.cross_entropy == "fused-linear" and job.task not in (None, "causal-lm"):
+        kind = job.cross_entropy
+        if kind in ("fused-linear", TRL_CHUNKED) and job.task not in (None, "causal-lm"):
             return [
-                "--cross-entropy fused-linear: only with --task causal-lm (it fuses a language "
+                f"--cross-entropy {kind}: only with --task causal-lm (it fuses a language "
                 "model's output head with its token loss)"
             ]
+        if kind == TRL_CHUNKED and (problem := trl_head_problem()) is not None:
+            return [problem]
         return []
 
     def plan_options(self, room: Room) -> tuple[dict[str, Any], ...]:
@@ -149,6 +181,14 @@ class CrossEntropy(Lever):
 
     def plan_lines(self, chosen: Chosen) -> list[str]:
         values, base = chosen.values, chosen.base
+        if values.get("cross_entropy") == TRL_CHUNKED:
+            return [
+                "TRL's chunked LM head (as given): the loss TRL's SFTTrainer computes "
+                "(add_fused_lm_head: tiles of the hidden states × the head's weight, never the "
+                "full logits). Run it with SFTTrainer (apply_plan onto its SFTConfig, or "
+                "memfit.integrations.GuardedSFTTrainer); memfit train runs --cross-entropy "
+                "standard or fused-linear instead."
+            ]
         if not fused(values):
             return []
         how = "as given" if values.get("cross_entropy") == base.get("cross_entropy") else "chosen"
@@ -172,7 +212,12 @@ class CrossEntropy(Lever):
 
     def cure(self, patient: Patient) -> Fix | None:
         job = patient.job
-        if job is None or job.task != "causal-lm" or job.cross_entropy == "fused-linear":
+        # TRL's head (trl-chunked) is SFTTrainer's, which refuses Liger's fused loss
+        if (
+            job is None
+            or job.task != "causal-lm"
+            or job.cross_entropy in ("fused-linear", TRL_CHUNKED)
+        ):
             return None
         if patient.fused_loss_problem is not None:
             patient.notes.append(f"not proposed: cross-entropy — {patient.fused_loss_problem}")
@@ -190,6 +235,12 @@ class CrossEntropy(Lever):
 
     def estimate_lines(self, details: Mapping[str, Any]) -> list[str]:
         info = details.get("cross_entropy")
+        if isinstance(info, Mapping) and info.get("kind") == TRL_CHUNKED:
+            return [
+                f"loss: TRL's chunked LM head, {info.get('token_tiles')} tiles of "
+                f"{info.get('token_tile')} tokens × {info.get('vocab_tile')} vocabulary columns, "
+                f"never the full logits: {info.get('implementation')}"
+            ]
         if not isinstance(info, Mapping) or info.get("kind") != "fused-linear":
             return []
         return [

@@ -172,7 +172,7 @@ class Quantization(Lever):
             lines.append(
                 "Quantization is the last lever tried: nothing allowed fits without it (the least "
                 f"configuration on unquantized weights needs {format_bytes(min(unquantized))} of "
-                f"{format_bytes(chosen.usable)})."
+                f"{format_bytes(chosen.usable)}, the budget less the safety margin)."
             )
         return lines
 

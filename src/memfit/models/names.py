@@ -7,8 +7,10 @@ the Hugging Face cache names repos). :mod:`memfit.models.registry` resolves the 
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from importlib.resources.abc import Traversable
+from typing import Any
 
 # canonical name -> other names it answers to (current Hub ids, short names)
 REGISTRY: dict[str, tuple[str, ...]] = {
@@ -61,3 +63,18 @@ def configs_folder() -> Traversable:
 def config_text(name: str) -> str:
     """The shipped config.json of registry entry ``name`` (its canonical name)."""
     return (configs_folder() / (name.replace("/", "--") + ".json")).read_text(encoding="utf-8")
+
+
+# the stored listing, in configs/ (a leading underscore: no entry's config is named so); written
+# by :mod:`memfit.models.catalog`, read here too: the registry's suggestions for an unknown model
+# name entries by their parameter counts without building a model
+LISTING_FILE = "_listing.json"
+
+
+def stored_rows() -> dict[str, dict[str, Any]]:
+    """The rows of ``configs/_listing.json`` by name, each with its ``config_sha256``."""
+    try:
+        data = json.loads((configs_folder() / LISTING_FILE).read_text(encoding="utf-8"))
+        return {row["name"]: row for row in data["models"]}
+    except (OSError, ValueError, KeyError, TypeError):  # no file, or not one this code wrote
+        return {}

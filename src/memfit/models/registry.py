@@ -1,14 +1,15 @@
-"""Resolve a model name or path to its architecture config, offline and without weights.
+"""Resolve a model name or path to its architecture config, without weights.
 
 memfit only needs the architecture (a ``transformers`` config) to trace a training step on fake
-tensors, so it ships the published ``config.json`` of common models in ``configs/`` and never
-touches the network: no download, no ``trust_remote_code``.
+tensors, so it ships the published ``config.json`` of common models in ``configs/`` and reads
+folders, config files and the local Hugging Face cache. Only a Hub id found in none of them is
+asked of the Hub, and then only its ``config.json`` (:mod:`memfit.models.hub`), when the Hub
+answers: never weights, never ``trust_remote_code``.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -27,8 +28,10 @@ except ImportError:  # transformers 4
 
 from memfit.errors import UsageError
 
-# the registry's names live in memfit.models.names, where `memfit models` reads them without
-# importing transformers
+# where a config.json is (on disk, in the registry, on the Hub) is found without transformers, in
+# memfit.models.hub; the registry's names live in memfit.models.names, where `memfit models` reads
+# them without importing transformers
+from memfit.models.hub import locate_config
 from memfit.models.names import REGISTRY as _REGISTRY
 from memfit.models.names import config_text
 
@@ -37,10 +40,6 @@ from memfit.models.names import config_text
 # fine-tuned from (all-mpnet-base-v2's says MPNetForMaskedLM; its weights have no LM head).
 _CHECKPOINT_CLASS: dict[str, str] = {
     "sentence-transformers/all-mpnet-base-v2": "MPNetModel",
-}
-# every accepted name, lower-cased -> canonical name
-_LOOKUP: dict[str, str] = {
-    alias.lower(): name for name, aliases in _REGISTRY.items() for alias in (name, *aliases)
 }
 # architectures whose position ids start after the padding index (fairseq convention)
 _PAD_OFFSET_TYPES = frozenset(
@@ -56,7 +55,7 @@ class ModelSpec:
 
     name: str
     config: PretrainedConfig = field(hash=False)  # configs are mutable, hence unhashable
-    source: str  # "registry" | "local-folder" | "config-file" | "hf-cache"
+    source: str  # "registry" | "local-folder" | "config-file" | "hf-cache" | "hub"
     path: str | None
     max_positions: int
 
@@ -86,26 +85,24 @@ def usable_positions(config: PretrainedConfig) -> int:
 
 
 def resolve_model(model: str) -> ModelSpec:
-    """Resolve ``model`` to a :class:`ModelSpec` without any network access.
+    """Resolve ``model`` to a :class:`ModelSpec`: its architecture config, never its weights.
 
     Tried in order: a local folder holding ``config.json`` (a Hugging Face model folder or a
     sentence-transformers folder), a path to a ``config.json`` file, a name or alias in memfit's
-    registry (case-insensitive), a Hub id already in the local Hugging Face cache.
-    Raises :class:`UsageError` when none of them matches or the config is not valid.
+    registry (case-insensitive), a Hub id already in the local Hugging Face cache (``owner/name``,
+    or ``owner/name@revision``). None of these touches the network.
+
+    Only then, for a Hub id, the Hub: when it answers (:func:`memfit.models.hub.hub_offline_reason`:
+    not with ``HF_HUB_OFFLINE=1``, and only if it answers within a second) the id's
+    ``config.json`` alone is fetched into the Hugging Face cache, with the user's token
+    (source ``"hub"``). Offline, nothing more is tried and the answer comes in under a second.
+    Raises :class:`UsageError` (one line: a gated, missing or config-less repository, an unknown
+    name with the registry's nearest entries, a config that is not valid) when none matches.
     """
-    local = Path(model).expanduser()
-    folder_config = _folder_config(local) if local.is_dir() else None
-    if folder_config is not None:
-        return _spec(str(local), _load_config(folder_config), "local-folder", folder_config.parent)
-    if local.is_file():
-        return _spec(str(local), _load_config(local), "config-file", local.parent)
-    canonical = _LOOKUP.get(model.strip().lower())
-    if canonical is not None:
-        return _spec(canonical, _registry_config(canonical), "registry", None)
-    cached = _hf_cache_config(model.strip())
-    if cached is not None:
-        return _spec(model.strip(), _load_config(cached), "hf-cache", cached.parent)
-    raise UsageError(_unknown_message(model, local.is_dir()))
+    found = locate_config(model)
+    if found.path is None:
+        return _spec(found.name, _registry_config(found.name), found.source, None)
+    return _spec(found.name, _load_config(found.path), found.source, found.path.parent)
 
 
 def parameter_count(model: ModelSpec | PretrainedConfig) -> int:
@@ -170,35 +167,8 @@ def _spec(name: str, config: PretrainedConfig, source: str, path: Path | None) -
     )
 
 
-def _folder_config(folder: Path) -> Path | None:
-    """config.json of a model folder; for sentence-transformers, of its Transformer module."""
-    if (folder / "config.json").is_file():
-        return folder / "config.json"
-    # sentence-transformers: modules.json names the Transformer module's folder (0_Transformer)
-    try:
-        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
-        subdirs = [m["path"] for m in modules if str(m.get("type", "")).endswith("Transformer")]
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        subdirs = []
-    candidates = [folder / d / "config.json" for d in subdirs]
-    candidates += sorted(folder.glob("*_Transformer/config.json"))
-    return next((c for c in candidates if c.is_file()), None)
-
-
 def _registry_config(name: str) -> PretrainedConfig:
     return _build_config(json.loads(config_text(name)), f"registry entry {name}")
-
-
-def _hf_cache_config(repo_id: str) -> Path | None:
-    """config.json of ``repo_id`` in the local Hugging Face cache; never downloads."""
-    try:
-        # optional: huggingface_hub (which transformers installs); without it, no cache to read
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # an invalid repo id, no huggingface_hub, an unreadable cache
-        return None
-    return Path(found) if isinstance(found, str) else None
 
 
 def _load_config(path: Path) -> PretrainedConfig:
@@ -231,18 +201,6 @@ def _build_config(data: Any, where: str) -> PretrainedConfig:
         return CONFIG_MAPPING[model_type].from_dict(data)
     except Exception as exc:
         raise UsageError(f"{where} does not build a {model_type} config: {exc}") from None
-
-
-def _unknown_message(model: str, is_dir: bool) -> str:
-    folder = "a folder without config.json" if is_dir else "not a folder with config.json"
-    close = difflib.get_close_matches(model.strip().lower(), list(_LOOKUP), n=5, cutoff=0.6)
-    suggestions = list(dict.fromkeys(_LOOKUP[c] for c in close))[:3]
-    hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
-    return (
-        f"unknown model {model!r}: {folder}, not a config.json file, not in memfit's offline "
-        f"registry, not in the local Hugging Face cache.{hint} "
-        "Known models: `memfit models` lists them."
-    )
 
 
 __all__ = [

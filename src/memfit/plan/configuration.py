@@ -55,6 +55,11 @@ def tier_of(values: Mapping[str, Any], base: Mapping[str, Any]) -> int:
     return max(used, default=0)
 
 
+# memfit plan's --safety-margin default: the share of the budget a plan keeps free (memfit
+# estimate's verdict says when a step is within the budget but not within the rest)
+SAFETY_MARGIN = 0.05
+
+
 @dataclass(frozen=True)
 class Levers:
     """A candidate's levers: everything but the micro-batch size, the loss and the ranks. The
@@ -184,7 +189,7 @@ class Plan:
     effective_batch_size: int = 0
     num_labels: int = 2
     gpu: str | None = None
-    safety_margin: float = 0.05
+    safety_margin: float = SAFETY_MARGIN
     data: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     sharding: str = "none"
@@ -220,6 +225,9 @@ class Plan:
         return {
             "fits": self.fits,
             "budget_bytes": self.budget_bytes,
+            # the budget less the safety margin: what every configuration is checked against
+            "safety_margin": self.safety_margin,
+            "usable_bytes": int(self.budget_bytes * (1 - self.safety_margin)),
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "min_required_bytes": self.min_required_bytes,
             "host_budget_bytes": self.host_budget_bytes,
@@ -298,6 +306,9 @@ class Plan:
             flags.append(f"--gpu-memory {size_arg(self.budget_bytes)}")
         if self.gpu:
             flags.append(f"--gpu {self.gpu}")
+        if self.safety_margin != SAFETY_MARGIN:
+            # memfit estimate's verdict and memfit plan's search against the same usable budget
+            flags.append(f"--safety-margin {self.safety_margin:g}")
         return flags
 
     def plan_command(self, world_size: int, sharding: str) -> str:

@@ -14,6 +14,7 @@ from memfit.devices.catalog import catalog
 from memfit.estimate.sharding import SCHEME_ORDER
 from memfit.levers import ALLOWABLE, LEVERS, weights
 from memfit.levers.base import Chosen
+from memfit.levers.cross_entropy import TRL_CHUNKED
 from memfit.plan import cost
 from memfit.plan.configuration import Candidate, Levers, Plan
 from memfit.plan.data_profile import DataProfile
@@ -36,6 +37,46 @@ def _gib(n: float) -> str:
     return format_bytes(int(n))
 
 
+def _percent(share: float) -> str:
+    """A share as the plan says it: ``5 %``, ``2.5 %``."""
+    return f"{share * 100:.4g} %"
+
+
+def usable_bytes(result: Plan) -> int:
+    """The budget less the safety margin: what every configuration is checked against (the
+    planner's ``Search.usable``, the same sum)."""
+    return int(result.budget_bytes * (1 - result.safety_margin))
+
+
+def budget_with_margin(result: Plan) -> str:
+    """The budget the plan fits into, margin named: ``a T4's 14.56 GiB less the 5 % safety
+    margin, 13.83 GiB``; ``a T4's 14.56 GiB`` with ``--safety-margin 0``."""
+    if not result.safety_margin:
+        return result.budget_words()
+    return (
+        f"{result.budget_words()} less the {_percent(result.safety_margin)} safety margin, "
+        f"{_gib(usable_bytes(result))}"
+    )
+
+
+def over_budget(result: Plan, need: int, *, nested: bool = False) -> str:
+    """Which budget ``need`` is over, and whether ``--safety-margin 0`` would take it in: ``over
+    the 13.83 GiB budget (a T4's 14.56 GiB less the 5 % safety margin; --safety-margin 0 to use
+    it all)`` (``nested``: inside parentheses already, a comma for the inner ones). memfit
+    estimate's verdict on the same step is against the whole budget: this says why the plan
+    does not take a step the estimate says fits."""
+    words, margin = result.budget_words(), result.safety_margin
+    if not margin:
+        return f"over the budget, {words}"
+    usable = usable_bytes(result)
+    why = f"{words} less the {_percent(margin)} safety margin; " + (
+        "--safety-margin 0 to use it all"
+        if need <= result.budget_bytes
+        else f"over the whole {_gib(result.budget_bytes)} too"
+    )
+    return f"over the {_gib(usable)} budget" + (f", {why}" if nested else f" ({why})")
+
+
 def _rate(samples_per_second: float) -> str:
     """A throughput: one decimal, or two significant digits below one sample per second."""
     if samples_per_second >= 1:
@@ -48,14 +89,27 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     least configuration is over the budget."""
     c = result.chosen
     if c is None:
-        return [
-            f"Nothing fits in {_gib(job.usable)} ({result.budget_words()} less the safety "
-            f"margin): the least any allowed configuration needs is "
-            f"{_gib(result.min_required_bytes)}."
-        ]
+        need = result.min_required_bytes
+        line = (
+            f"Nothing fits in {_gib(job.usable)} ({result.budget_words()} less the "
+            f"{_percent(result.safety_margin)} safety margin): the least any allowed "
+            f"configuration needs is {_gib(need)}"
+        )
+        if not result.safety_margin:
+            line = (
+                f"Nothing fits in {result.budget_words()}: the least any allowed configuration "
+                f"needs is {_gib(need)}"
+            )
+        elif need <= result.budget_bytes:
+            # within the whole budget: only the margin keeps it out
+            line += (
+                f", within the whole {_gib(result.budget_bytes)}: --safety-margin 0 lets a plan "
+                "use it all"
+            )
+        return [line + "."]
     k = c.knobs
     lines = _batch_lines(job, result, c)
-    lines += _parallel_lines(job, c)
+    lines += _parallel_lines(job, result, c)
     lines += _precision_lines(job, result, c)
     lines += _harmful_lever_lines(job, k, profile)
     chosen = _chosen(job, c)
@@ -74,7 +128,9 @@ def explain(job: Search, result: Plan, profile: DataProfile | None) -> list[str]
     if command:
         lines.append(f"Re-check: {command}")
     train = result.train_command()
-    if train:
+    # TRL's chunked head is SFTTrainer's loss: memfit train refuses it (the lever's plan line
+    # says to run SFTTrainer), so no memfit train command is printed for it
+    if train and k.values.get("cross_entropy") != TRL_CHUNKED:
         lines.append(f"Train: {train}")
     return lines
 
@@ -124,12 +180,18 @@ def _batch_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
             f"micro-batch {c.micro_batch_size} × accumulate {c.gradient_accumulation_steps}"
             + (f" × {c.world_size} GPUs" if c.world_size > 1 else "")
             + f" = {job.per_rank * job.world_size}: {_gib(c.predicted_peak_bytes)} of "
-            f"{result.budget_words()} ({_gib(job.usable)} after the {result.safety_margin:.0%} margin)."
+            f"{result.budget_words()}"
+            + (
+                f" ({_gib(job.usable)} after the {_percent(result.safety_margin)} safety margin, "
+                "--safety-margin)."
+                if result.safety_margin
+                else " (no safety margin kept)."
+            )
         )
     return lines
 
 
-def _parallel_lines(job: Search, c: Candidate) -> list[str]:
+def _parallel_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
     """What each GPU holds under the sharding scheme or plain data parallelism."""
     k = c.knobs
     micro = c.mini_batch_size or c.micro_batch_size
@@ -159,7 +221,7 @@ def _parallel_lines(job: Search, c: Candidate) -> list[str]:
         peak = job.peak(k, nxt)
         lines.append(
             f"The next larger {'mini' if job.in_batch_negatives else 'micro'}-batch, {nxt}, "
-            f"would need {_gib(peak)}: over the budget."
+            f"would need {_gib(peak)}: {over_budget(result, peak)}."
         )
     return lines
 
@@ -178,9 +240,9 @@ def _precision_lines(job: Search, result: Plan, c: Candidate) -> list[str]:
             faster = job.speed(dataclasses.replace(k, precision=mixed), micro) / base
             lines.append(
                 f"fp32, not {mixed} mixed precision: {mixed} would need {_gib(need)} at this "
-                f"{'mini' if c.mini_batch_size else 'micro'}-batch, over the budget (autocast "
-                f"keeps {mixed} copies beside fp32 tensors); it would be about {faster:.1f}× "
-                "faster."
+                f"{'mini' if c.mini_batch_size else 'micro'}-batch (autocast keeps {mixed} "
+                f"copies beside fp32 tensors), {over_budget(result, need)}; it would be about "
+                f"{faster:.1f}× faster."
             )
     if k.precision != "fp32":
         fp32 = job.speed(dataclasses.replace(k, precision="fp32"), micro)
@@ -333,7 +395,9 @@ def _lever_hints(job: Search, result: Plan, space: Space) -> list[str]:
         if least is None:
             continue  # memfit train runs none of its configurations here
         need, knobs = least
-        verdict = "fits" if need <= job.usable else "still over"
+        verdict = (
+            "fits" if need <= job.usable else f"still {over_budget(result, need, nested=True)}"
+        )
         flag = ",".join(sorted(wider.room.allowed, key=ALLOWABLE.index))
         hint = lever.hint(knobs.values, space.room.job)
         out.append(

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from memfit.estimate import Estimate
     from memfit.plan import Plan
 
+# memfit plan's --safety-margin default (memfit estimate's verdict says when a step is within the
+# budget but not within what the margin leaves): memfit.plan.configuration.SAFETY_MARGIN, not
+# imported, so that the quick verbs do not load the planner (and torch) at start-up
+PLAN_SAFETY_MARGIN = 0.05
+
 # the estimate's breakdown keys in words (the console table, the report page)
 PART_LABELS = {
     "parameters": "parameters",
@@ -29,8 +34,13 @@ PART_LABELS = {
 }
 
 
-def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
-    """The breakdown as a table, the verdict against the budget and the biggest part named."""
+def print_estimate(
+    estimate: Estimate, console: Console | None = None, safety_margin: float | None = None
+) -> None:
+    """The breakdown as a table, the verdict against the budget and the biggest part named.
+    ``safety_margin``: the share of the budget memfit plan keeps free (default its own, 5 %);
+    a step within the budget but not within the budget less it says so (:func:`margin_line`)."""
+    safety_margin = PLAN_SAFETY_MARGIN if safety_margin is None else safety_margin
     console = console or Console(highlight=False)
     spec = estimate.spec
     knobs = (
@@ -65,11 +75,68 @@ def print_estimate(estimate: Estimate, console: Console | None = None) -> None:
                 f"{format_bytes(estimate.budget_bytes - estimate.total_bytes)} to spare"
                 + ("; [red]the host memory does not[/red] (below)." if host_short else ".")
             )
+            line = margin_line(estimate, safety_margin)
+            if line is not None:
+                console.print(line, soft_wrap=True)
         else:
             console.print(
                 f"[red]Does not fit[/red] in {budget}: "
                 f"{format_bytes(estimate.total_bytes - estimate.budget_bytes)} short."
             )
+
+
+def percent(share: float) -> str:
+    """A share as the verdicts say it: ``5 %``, ``2.5 %``."""
+    return f"{share * 100:.4g} %"
+
+
+def usable_bytes(budget_bytes: int, safety_margin: float) -> int:
+    """The budget less the safety margin, as memfit plan counts it (its ``Search.usable``)."""
+    return int(budget_bytes * (1 - safety_margin))
+
+
+def margin_keys(estimate: Estimate, safety_margin: float) -> dict[str, Any]:
+    """The estimate's verdict against the budget less ``safety_margin`` (memfit plan's view), for
+    ``--json``: ``safety_margin``, ``usable_bytes`` (None: no budget) and ``fits_with_margin``
+    (``fits`` with the GPU budget less the margin; None where ``fits`` is None)."""
+    if estimate.budget_bytes is None:
+        return {"safety_margin": safety_margin, "usable_bytes": None, "fits_with_margin": None}
+    usable = usable_bytes(estimate.budget_bytes, safety_margin)
+    # the host's verdict (an offloading step) is the same: the margin is the GPU's
+    host = estimate.details.get("host")
+    host_fits = not (isinstance(host, dict) and host.get("fits") is False)
+    return {
+        "safety_margin": safety_margin,
+        "usable_bytes": usable,
+        "fits_with_margin": estimate.total_bytes <= usable and host_fits,
+    }
+
+
+def margin_line(estimate: Estimate, safety_margin: float) -> str | None:
+    """What the verdict of a step that fits the budget but not the budget less ``safety_margin``
+    means for memfit plan, which keeps that margin free (None: the step fits both, or there is
+    no budget). memfit plan plans training steps only: an eval step's line does not name it."""
+    budget = estimate.budget_bytes
+    if budget is None or not safety_margin:
+        return None
+    usable = usable_bytes(budget, safety_margin)
+    if not usable < estimate.total_bytes <= budget:
+        return None
+    words = (
+        f"[yellow]Over the {format_bytes(usable)} left after a {percent(safety_margin)} safety "
+        f"margin[/yellow] by {format_bytes(estimate.total_bytes - usable)}"
+    )
+    if estimate.spec.mode != "train":
+        return words + f" (--safety-margin 0 counts all {format_bytes(budget)})."
+    plan = (
+        f"memfit plan (its default --safety-margin {PLAN_SAFETY_MARGIN:g})"
+        if safety_margin == PLAN_SAFETY_MARGIN
+        else f"memfit plan --safety-margin {safety_margin:g}"
+    )
+    return (
+        f"{words}: {plan} will not choose this step as is; with --safety-margin 0 it counts "
+        f"all {format_bytes(budget)}."
+    )
 
 
 def budget_words(budget_bytes: int, gpu: dict[str, Any] | None) -> str:
@@ -84,10 +151,13 @@ def budget_words(budget_bytes: int, gpu: dict[str, Any] | None) -> str:
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     """The chosen configuration, the alternatives, why, and what would make it fit."""
+    # start-up: memfit.plan is loaded (the plan ran); this module is imported before torch is
+    from memfit.plan.explain import budget_with_margin
+
     console = console or Console(highlight=False)
     if plan.chosen is None:
         console.print(
-            f"[bold red]Nothing fits[/] in {escape(plan.budget_words())}: "
+            f"[bold red]Nothing fits[/] in {escape(budget_with_margin(plan))}: "
             f"the least any configuration needs is {format_bytes(plan.min_required_bytes)}."
         )
     else:
@@ -99,6 +169,11 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                 table.add_row(key, str(value))
         table.add_row("predicted peak", format_bytes(plan.chosen.predicted_peak_bytes))
         table.add_row("budget", escape(plan.budget_words()))
+        if plan.safety_margin:
+            usable = usable_bytes(plan.budget_bytes, plan.safety_margin)
+            table.add_row(
+                f"usable ({percent(plan.safety_margin)} safety margin)", format_bytes(usable)
+            )
         rate = plan.chosen.predicted_samples_per_second
         table.add_row("samples/s (cost model)", f"{rate:.1f}" if rate >= 1 else f"{rate:.2g}")
         console.print(table)

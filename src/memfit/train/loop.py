@@ -217,6 +217,9 @@ class TrainingRun(RunSetup):
                 "backend": ranks.backend if ranks is not None else None,
                 # a fine-tuned classifier's head: kept (same labels) or replaced (said on stderr)
                 "classifier_head": getattr(self.recipe, "head_note", None),
+                # a classifier's label names in id order: a LoRA adapter folder keeps no
+                # config.json, and memfit predict names its outputs from these
+                "labels": [str(x) for x in getattr(self.recipe, "labels", None) or []] or None,
                 # which model: a --resume spelling --model otherwise is checked against them
                 "model_path": os.path.abspath(self.cfg.model)
                 if os.path.isdir(self.cfg.model)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import logging
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ import torch
 from torch import nn
 from transformers import BitsAndBytesConfig
 
+from memfit import quiet
 from memfit.errors import UsageError
 from memfit.estimate.workload import PEFT_HEAD_NAMES, lora_head_modules
 from memfit.levers.quantization import LEVER as QUANTIZATION
@@ -76,15 +76,11 @@ def quantized(cfg: Any) -> bool:
 
 
 def import_quietly(package: str) -> Any:
-    """``import package``, without the warnings its import logs (bitsandbytes says at import on
-    some CPUs that an optional faster kernel package is missing)."""
-    logger = logging.getLogger(package)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return importlib.import_module(package)
-    finally:
-        logger.setLevel(level)
+    """``import package``, without the lines its import logs that say nothing to the user
+    (:mod:`memfit.quiet`: bitsandbytes says on CPUs with AVX512-BF16 that an optional faster
+    kernel package is missing); anything else it logs shows."""
+    quiet.install()
+    return importlib.import_module(package)
 
 
 def package_problem(package: str, what: str) -> str | None:

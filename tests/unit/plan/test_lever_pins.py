@@ -162,7 +162,9 @@ def test_the_quantization_lever_explains_itself() -> None:
     assert "unquantized weights would need 6.00 GiB" in lines[0]
     assert "about 25% more time per step (20.0 s per optimizer step" in lines[1]
     assert "cost model: 9 + 1.5 bytes per weight" in lines[1]
-    assert lines[3].endswith("unquantized weights needs 5.00 GiB of 4.00 GiB).")
+    assert lines[3].endswith(
+        "unquantized weights needs 5.00 GiB of 4.00 GiB, the budget less the safety margin)."
+    )
     # as given: no line on why the plan needed it
     pinned = lever.plan_lines(_chosen(QLORA_VALUES, dict(QLORA_VALUES)))
     assert len(pinned) == 3 and "(as given; QLoRA)" in pinned[0]

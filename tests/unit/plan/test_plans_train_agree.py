@@ -107,6 +107,9 @@ def train_refusals(
         raise Captured(cfg)
 
     monkeypatch.setattr(memfit.train.run, "train", capture)
+    # the plan's model is a registry name without weights: whether it loads is not this test's
+    # (tests/unit/train/test_model_by_name.py); train's flags and checks are
+    monkeypatch.setattr("memfit.commands.train.by_name_problem", lambda *_: None)
     monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("RANK", "0")
     capsys.readouterr()

@@ -33,7 +33,11 @@ def _job(**knobs: Any) -> Job:
 def test_the_knobs_are_flags_with_their_choices() -> None:
     fields = {f.name: f for f in dataclasses.fields(Job)}
     assert fields["weights_dtype"].metadata["choices"] == ("auto", "fp32", "bf16", "fp16")
-    assert fields["cross_entropy"].metadata["choices"] == ("standard", "fused-linear")
+    assert fields["cross_entropy"].metadata["choices"] == (
+        "standard",
+        "fused-linear",
+        "trl-chunked",
+    )
     assert PURE.flags({"weights_dtype": "bf16"}) == ["--weights-dtype bf16"]
     assert CE.flags({"cross_entropy": "fused-linear"}) == ["--cross-entropy fused-linear"]
     problems = _job(weights_dtype="fp64", cross_entropy="fused").problems()

@@ -217,6 +217,8 @@ def test_plan_alternatives_are_said_by_each_lever() -> None:
     plan = SimpleNamespace(
         chosen=None,
         budget_words=lambda: "16.00 GiB",
+        budget_bytes=16 << 30,
+        safety_margin=0.05,
         min_required_bytes=1 << 30,
         explanation=[],
         alternatives=[alt],

@@ -25,16 +25,25 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from memfit import progress
 from memfit.errors import UsageError
-from memfit.models.folder import check_for_loader, load_checked, model_config
-from memfit.models.registry import resolve_model
+from memfit.models.folder import (
+    check_for_loader,
+    hub_ids,
+    hub_off,
+    is_hub_id,
+    load_checked,
+    model_config,
+    unreachable_line,
+)
+from memfit.models.hub import LOOKUP, hub_offline_reason
 
 T = TypeVar("T")
 
@@ -104,7 +113,8 @@ def check_folder(loader: Callable[..., Any], folder: Path) -> None:
 def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
     """``loader(model, **kwargs)`` (a ``from_pretrained`` or ``SentenceTransformer``), with a
     local folder checked first and the not-found case turned into a UsageError instead of a
-    traceback."""
+    traceback. A Hub id loads from the local Hugging Face cache where it is there, else is
+    downloaded where the Hub answers, else is one line at once (:func:`_by_name`)."""
     # transformers logs a page of hints before raising; the one line below says it all
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if offline():
@@ -127,13 +137,41 @@ def load_pretrained(loader: Callable[..., T], model: str, **kwargs: Any) -> T:
         check_folder(loader, Path(model).expanduser())
     # a new task head is what the run trains; missing weights of the body are refused
     return load_checked(
-        lambda: loader(model, **kwargs),
+        (lambda: loader(model, **kwargs)) if local else (lambda: _by_name(loader, model, kwargs)),
         model,
         FLAG,
         without="training would start them from random weights",
         # not a folder: transformers/huggingface_hub raise OSError subclasses for "not found"
         not_found=None if local else functools.partial(_not_found, model),
     )
+
+
+def _by_name(loader: Callable[..., T], model: str, kwargs: dict[str, Any]) -> T:
+    """``loader`` on Hub id ``model`` (not a folder): from the local Hugging Face cache where its
+    files are there (under the name given, or a registry name's current Hub id: no request to
+    the Hub), else downloaded by ``loader`` where the Hub answers (a status line says so), else
+    a UsageError at once: why, and what to give instead (:func:`memfit.models.folder.
+    unreachable_line`: the installed folder of all-MiniLM-L6-v2)."""
+    if not is_hub_id(model):
+        # a path that is not there ("./runs/x", "/data/m"): no Hub would have it
+        raise UsageError(f"{FLAG}: cannot load {model!r}: no such folder, and not a Hub id")
+    ids = hub_ids(model)
+    for repo in ids:
+        try:
+            with hub_off():
+                return loader(repo, **{**kwargs, "local_files_only": True})
+        except OSError:
+            continue  # not (wholly) in the cache: the Hub, if it answers
+    reason = hub_offline_reason()
+    if reason is None and kwargs.get("local_files_only"):
+        reason = "local_files_only=True"
+    if reason is not None:
+        raise UsageError(unreachable_line(model, FLAG, reason))
+    repo = ids[-1]
+    # the files may take minutes: a command's status line says why it waits
+    downloading = f"downloading {repo} from the Hugging Face Hub"
+    with progress.status(downloading) if progress.is_open() else nullcontext():
+        return loader(repo, **kwargs)
 
 
 def checkpoint_config(model: str) -> Any | None:
@@ -153,19 +191,18 @@ def checkpoint_config(model: str) -> Any | None:
         return None
 
 
-def _not_found(model: str, _exc: OSError) -> str:
-    """The line for a ``--model`` that is no folder and that transformers did not find."""
-    try:
-        in_registry = resolve_model(model).source == "registry"
-    except UsageError:
-        in_registry = False
-    if in_registry:
-        return (
-            f"{FLAG}: {model!r} is in memfit's registry of architectures (for estimate and "
-            "plan), which holds no weights: memfit train needs a model folder, or a Hub id "
-            "in the local Hugging Face cache"
+def _not_found(model: str, exc: OSError) -> str:
+    """The line for a ``--model`` that is no folder and that the Hub, which answered, could not
+    give (no such repository, a gated one, a file it lacks): what it said."""
+    text = str(exc).strip()
+    said = text.splitlines()[0] if text else type(exc).__name__
+    registry = ""
+    if model.strip().lower() in LOOKUP:
+        registry = (
+            " (memfit's registry knows its architecture, for estimate and plan, but holds no "
+            "weights)"
         )
     return (
-        f"{FLAG}: cannot load {model!r}: not a local folder and not in the Hugging Face "
-        "cache (offline?)"
+        f"{FLAG}: cannot load {model!r}{registry}: not a local folder, and the Hugging Face Hub "
+        f"did not give it: {said}"
     )
