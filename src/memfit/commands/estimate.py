@@ -131,7 +131,7 @@ def estimate_command(
         float,
         typer.Option(
             help="Share of the budget memfit plan keeps free (0.05 = 5 %): the verdict says "
-            "when the step fits the budget but not the rest."
+            "when the step fits the budget but not the budget less this share."
         ),
     ] = PLAN_SAFETY_MARGIN,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,

@@ -47,7 +47,8 @@ PADDINGS = ("longest", "max_length")
 # the job's knobs as ``memfit train`` shows them: its own help line, None where a knob is not
 # one of its flags; a knob not named here is a flag with the job's help line (memfit.job)
 INHERITED_HELP: dict[str, str | None] = {
-    "model": "A Hub id (cached), a model folder or a sentence-transformers folder.",
+    "model": "A model folder (sentence-transformers' too), or a Hub id: from the Hugging Face "
+    "cache, else downloaded where the Hub answers.",
     "task": "classification | causal-lm | sentence-embedding",
     "num_labels": "classification: labels are the integers 0…N-1.",
     "loss": "sentence-embedding: mnrl | cached-mnrl",
