@@ -141,11 +141,12 @@ CASES = [
     pytest.param(
         "llama-mini", "causal-lm", 4, 64, {"cross_entropy": "fused-linear"}, id="llama-fused"
     ),
+    # (8 x 128: at 4 x 64 the step holds 15 MiB and RSS moved by 2.7 % between repeats in a CI run)
     pytest.param(
         "llama-mini-bf16",
         "causal-lm",
-        4,
-        64,
+        8,
+        128,
         {"precision": "bf16", "lora_rank": 8, "cross_entropy": "fused-linear"},
         id="llama-bf16-base-lora-fused",
     ),

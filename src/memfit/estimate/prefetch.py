@@ -215,8 +215,12 @@ class Ahead:
         # a worker holds it: trace the next free ones meanwhile, then wait for it
         while True:
             with self._cond:
+                if unit.state == "lost":
+                    # its worker died while the search waited: the search traces it itself
+                    unit.state, unit.started = "main", time.perf_counter()
+                    self._main = unit
                 if unit.state != "worker":
-                    return
+                    break
                 free = next((u for u in self._units if not u.state), None)
                 if free is None:
                     self._cond.wait(0.5)
@@ -229,6 +233,7 @@ class Ahead:
                 except Exception:  # the search's own estimate says what is wrong, if it asks
                     break
             self._done(free)
+        self._tell()
 
     def _finish_main(self) -> None:
         unit, self._main = self._main, None

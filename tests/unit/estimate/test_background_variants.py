@@ -94,12 +94,15 @@ def test_a_request_waits_for_the_kind_being_traced(
     deadline = time.monotonic() + 120
     while last.state == "queued" and time.monotonic() < deadline:
         time.sleep(0.01)  # the worker starting (importing torch), then tracing the others
-    assert last.state == "running"
+    # on a loaded machine this thread may look only after the worker finished the kind (a CI
+    # run saw "done"): then the request below has nothing to wait for, and only the rest holds
+    running = last.state == "running"
+    assert running or last.state == "done", last.state
     estimate(tiny_gpt2, task="causal-lm", batch_size=1, seq_len=63)
     assert last.state == "done"
     assert len(background_on) == 1, "the kind being traced in the background was traced twice"
     waiting = "waiting for the batch-1 shapes of lengths that are no multiple of 8, being traced"
-    assert any(line.startswith(waiting) for line in said)
+    assert any(line.startswith(waiting) for line in said) == running
 
 
 def test_a_kind_not_begun_is_taken_back(monkeypatch: pytest.MonkeyPatch) -> None:
