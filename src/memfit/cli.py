@@ -39,7 +39,7 @@ from memfit.runtime import launched_world_size, quiet_deepspeed
 # ``VERB_command`` of ``memfit.commands.VERB`` (a group: its module's ``app``)
 VERBS = (
     "estimate", "plan", "limits", "report", "gpus", "models", "train", "doctor", "demo", "predict",
-    "embed", "data",
+    "embed", "data", "ui",
 )  # fmt: skip
 
 
@@ -245,6 +245,17 @@ def _quick_exit(code: int) -> None:
 
 
 _NO_BACKGROUND = "MEMFIT_NO_BACKGROUND"  # memfit.estimate.background.OFF_VARIABLE
+# whether _main set MEMFIT_NO_BACKGROUND for the verb now running (the user had not set it): a
+# long-lived verb (memfit ui, which answers question after question) takes it off again then,
+# and leaves the user's own setting alone (see :func:`background_set_by_cli`)
+_background_set_here = False
+
+
+def background_set_by_cli() -> bool:
+    """Whether ``MEMFIT_NO_BACKGROUND`` is set only because the CLI set it for the verb now
+    running, rather than by the user: ``memfit ui`` then lets the background tracer
+    (:mod:`memfit.estimate.background`) work on the other core, as it would for a notebook."""
+    return _background_set_here
 
 
 def _main(argv: list[str] | None = None) -> Any:
@@ -255,10 +266,13 @@ def _main(argv: list[str] | None = None) -> Any:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     # a command answers and exits: nothing is traced ahead in the background for later questions
     # (memfit.estimate.background; the variable, not its off(), keeps torch out of start-up), and
-    # a caller of main() in a long-lived process gets its background back after
+    # a caller of main() in a long-lived process gets its background back after; memfit ui,
+    # long-lived itself, takes the variable off again where it was set here
+    global _background_set_here
     background_set_here = _NO_BACKGROUND not in os.environ
     if background_set_here:
         os.environ[_NO_BACKGROUND] = "1"
+    outer, _background_set_here = _background_set_here, background_set_here
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name="memfit", standalone_mode=False)
@@ -298,6 +312,7 @@ def _main(argv: list[str] | None = None) -> Any:
             raise
         _fail(os_error_line(exc), 2)
     finally:
+        _background_set_here = outer
         if background_set_here:
             os.environ.pop(_NO_BACKGROUND, None)
     return None

@@ -31,6 +31,7 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", "wandb"),
     "deepspeed": ("deepspeed", "deepspeed"),
     "trl": ("trl", "trl"),
+    "gradio": ("gradio", "ui"),
 }
 
 

@@ -19,6 +19,10 @@ The line is shown only where a person watches it:
 - ``TERM`` is not ``dumb`` (a terminal that cannot move its cursor would get one line per frame);
 - this is rank 0 (``RANK`` unset or 0): ranks launched by torchrun share one terminal.
 
+A program that shows progress its own way (``memfit ui``'s page) opens :func:`listening` with a
+callback: in that thread, every :func:`report`, :func:`say` and :func:`status` message also goes to
+it, whether or not a status line is shown.
+
 Nothing goes to stdout: while the line is shown, the first write to stdout erases it for good (the
 command's output has begun, so the status has done its job) and then goes through untouched.
 Writes to stderr (warnings, the guard's lines) are printed above the line, which stays, or, with
@@ -32,7 +36,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 OFF_VARIABLE = "MEMFIT_NO_PROGRESS"
@@ -163,6 +167,42 @@ class _Watch:
 
 _shown: _Shown | None = None  # the status line on screen; None when there is none
 _depth = 0  # status() blocks open, shown or not
+# listening() blocks open in any thread: report() looks no further while there are none
+_listening = 0
+_listening_lock = threading.Lock()
+_listeners = threading.local()  # .callbacks: this thread's, the innermost last
+
+
+@contextlib.contextmanager
+def listening(callback: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, in this thread, every message of :func:`report`, :func:`say` and
+    :func:`status` also goes to ``callback(message)`` (whether or not a status line is shown):
+    for a program that shows progress its own way (``memfit ui``'s page). Blocks nest; each
+    open one hears every message of its thread (a callback open twice, once). What ``callback`` raises reaches the code that
+    reported (a page may stop the work so)."""
+    global _listening
+    callbacks = getattr(_listeners, "callbacks", None)
+    if callbacks is None:
+        callbacks = _listeners.callbacks = []
+    callbacks.append(callback)
+    with _listening_lock:
+        _listening += 1
+    try:
+        yield
+    finally:
+        with _listening_lock:
+            _listening -= 1
+        callbacks.remove(callback)
+
+
+def _tell(message: str) -> None:
+    """``message`` to this thread's :func:`listening` callbacks, if any: each once, however many
+    blocks opened it."""
+    told: list[Callable[[str], None]] = []
+    for callback in list(getattr(_listeners, "callbacks", None) or ()):
+        if callback not in told:  # equal: a bound method is a new object at each access
+            told.append(callback)
+            callback(message)
 
 
 def _wanted() -> bool:
@@ -183,8 +223,11 @@ def _wanted() -> bool:
 def report(message: str) -> None:
     """Say what is being done now: the text after the status line's subject.
 
-    A no-op when no status line is shown (one global look-up): cheap enough to call per step.
+    A no-op when no status line is shown and no one listens (:func:`listening`): two global
+    look-ups, cheap enough to call per step.
     """
+    if _listening:
+        _tell(message)
     shown = _shown
     if shown is None:
         return
@@ -202,7 +245,9 @@ def is_open() -> bool:
 
 def say(message: str) -> None:
     """Set the innermost block's text, a ``steady`` one's too: for the code that opened it (from
-    any thread). A no-op when no status line is shown."""
+    any thread). A no-op when no status line is shown and no one listens (:func:`listening`)."""
+    if _listening:
+        _tell(message)
     shown = _shown
     if shown is None:
         return
@@ -229,6 +274,8 @@ def status(
     alone; :func:`say` changes it.
     """
     global _depth, _shown
+    if _listening:
+        _tell(message)
     if _depth:
         _depth += 1
         shown = _shown

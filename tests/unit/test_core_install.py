@@ -213,6 +213,8 @@ CASES: dict[str, tuple[Any, tuple[str, ...]]] = {
         (ST,),
     ),
     "data profile": (lambda i: ["data", "profile", str(i.data), "--model", str(i.model)], ()),
+    # refused before it listens: a core install serves no page
+    "ui": (lambda i: ["ui", "--port", "1"], ("gradio",)),
 }  # fmt: skip
 
 

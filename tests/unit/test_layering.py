@@ -62,6 +62,8 @@ ALLOWED: dict[str, set[str]] = {
     "infer": FLOOR | {"estimate", "guard", "data", "models", "devices"},
     "train": FLOOR | {"estimate", "plan", "guard", "data", "models", "devices", "config"},
     "integrations": FLOOR | {"guard", "plan", "estimate", "models", "devices", "data"},
+    # memfit ui's page: the estimate and the plan, their lines (report), the card, the model
+    "ui": FLOOR | {"estimate", "plan", "report", "devices", "models"},
 }
 TOP = {"commands", "cli", "__init__", "__main__"}
 

@@ -8,7 +8,9 @@ lines that reproduce a figure, and bad arguments refused as memfit refuses them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +139,8 @@ def test_command_text_says_the_environment(
         ("plan_speed.py", ["--jobs", "nope"], "--jobs"),
         ("estimate_speed.py", ["--shape-modes", "later"], "--shape-modes"),
         ("estimate_speed.py", ["--rounds", "0"], "--rounds"),
+        ("ui_speed.py", ["--jobs", "nope"], "--jobs"),
+        ("ui_speed.py", ["--seq-moves", "-1"], "--seq-moves"),
     ],
 )
 def test_bad_arguments_exit_2(script: str, args: list[str], flag: str) -> None:
@@ -151,3 +155,65 @@ def test_bad_arguments_exit_2(script: str, args: list[str], flag: str) -> None:
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(flag) and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def ui_speed() -> ModuleType:
+    return _load("ui_speed")
+
+
+def test_ui_jobs_and_target_are_the_issues(ui_speed: ModuleType) -> None:
+    # issue 37: a slider move to new figures in ≤ 100 ms, on the three jobs of the speed benches
+    assert ui_speed.LIMIT_MS == 100.0
+    assert ui_speed.DEFAULT_JOBS == ("bert-t4", "gpt2-medium-16gib", "llama31-8b-t4")
+    llama = ui_speed.JOBS["llama31-8b-t4"].page_job()
+    assert (llama.model, llama.gpu, llama.task) == ("meta-llama/Llama-3.1-8B", "t4", "causal-lm")
+    assert dict(llama.knobs) == {"lora_rank": 16, "quantization": "nf4", "precision": "fp16"}
+    medium = ui_speed.JOBS["gpt2-medium-16gib"].page_job()
+    assert (medium.gpu, medium.gpu_memory) == (None, "16GiB")
+    # the smoke's model travels in the link, as an uploaded config.json does
+    assert ui_speed.JOBS["smoke"].page_job().config_json is not None
+
+
+@pytest.mark.parametrize(("job", "maximum"), [("bert-t4", 512), ("llama31-8b-t4", 131072)])
+def test_ui_moves_are_new_shapes_odd_ones_among_them(
+    ui_speed: ModuleType, job: str, maximum: int
+) -> None:
+    first = ui_speed.JOBS[job]
+    seqs = ui_speed.seq_values(first, 20, 1, 1, maximum)
+    batches = ui_speed.batch_values(first, 10, 256)
+    assert len(seqs) == len(set(seqs)) == 20 and len(batches) == len(set(batches)) == 10
+    assert first.seq_len not in seqs and first.batch_size not in batches
+    assert all(1 <= s <= maximum for s in seqs)
+    assert any(s % 8 for s in seqs) and any(s % 8 == 0 for s in seqs)  # both kinds of length
+    assert any(b % 2 for b in batches)
+    assert (1 in batches) == (first.batch_size != 1)  # a batch of one: its own kind
+    # on a slider in steps of 8 (from 8), every length is one it can take
+    assert all(s % 8 == 0 for s in ui_speed.seq_values(first, 20, 8, 8, maximum))
+
+
+@pytest.mark.slow
+def test_ui_speed_smoke(tmp_path: Path) -> None:
+    # the bench end to end on a 2-layer GPT-2 config (seconds): the page, Chromium, the peer
+    pytest.importorskip("gradio", reason="the ui extra")
+    pytest.importorskip("playwright.sync_api", reason="the dev extra")
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        pytest.skip("no chromium on PATH (.ci/run installs Debian's chromium)")
+    out = tmp_path / "ui_speed.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "ui_speed.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    command = f"$ python bench/ui_speed.py --smoke --out {out}"
+    assert lines[0] == command and lines[-1] == command  # the command, first and last
+    record = json.loads(out.read_text())
+    (summary,) = record["summaries"]
+    assert summary["job"] == "smoke" and summary["moves"] == 3 and summary["failed_moves"] == 0
+    assert 0 < summary["handler_median_ms"] <= summary["median_ms"]
+    assert summary["verdict_median"] in ("PASS", "MISS") and summary["cli_median_s"] > 0
+    assert f"median {summary['median_ms']:6.1f} ms {summary['verdict_median']}" in done.stdout

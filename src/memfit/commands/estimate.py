@@ -14,81 +14,18 @@ from memfit.commands._options import Overwrite, TraceDepth, given_knobs, job_opt
 from memfit.errors import UsageError
 from memfit.extras import is_installed, missing_line
 from memfit.job import STEP_DEFAULTS, STEP_FIELDS
-from memfit.levers import LEVERS
 from memfit.models.hub import locate_config
 from memfit.paths import Kind, destination_problems, holds_mark, model_inputs
-from memfit.report.console import PLAN_SAFETY_MARGIN, margin_keys, print_estimate
-from memfit.units import format_bytes
+from memfit.report.console import (
+    PLAN_SAFETY_MARGIN,
+    margin_keys,
+    note_lines,
+    print_estimate,
+    trace_depth_line,
+)
 
-
-def _trace_depth_line(details: dict[str, Any]) -> str | None:
-    """One line on how many layers the estimate traced (``details["trace_depth"]``), if it says."""
-    info = details.get("trace_depth")
-    if not isinstance(info, dict):
-        return None
-    depth = info.get("depth")
-    of = f" of {depth}" if depth is not None else ""
-    if info.get("mode") == "extrapolated":
-        # traced_depths: the depths of the shallow copies of the model that were traced
-        traced = [str(x) for x in info.get("traced_depths") or ()]
-        which = " and ".join([", ".join(traced[:-1]), traced[-1]] if len(traced) > 1 else traced)
-        period = info.get("period")
-        block = f", a block of {period} layers repeating" if period and period > 1 else ""
-        return f"traced {which or 'a few'}{of} layers, extrapolated exactly{block}"
-    if info.get("mode") == "full":
-        reason = info.get("reason")
-        layers = f"all {depth} layers" if depth is not None else "every layer"
-        return f"traced {layers}" + (f": {reason}" if reason else "")
-    return f"trace depth: {info.get('mode')}{of}" if info.get("mode") else None
-
-
-def _gpu_lines(details: dict[str, Any], device: str) -> list[str]:
-    """What the ``--gpu`` card's generation runs (``details["gpu"]``) and what to know about it."""
-    info = details.get("gpu")
-    if not isinstance(info, dict) or device != "cuda":
-        return []
-    kernels = list(info.get("attention_kernels") or ())
-    sm = str(info.get("compute_capability", "")).replace(".", "")
-    missing = "" if "flash" in kernels else " (no flash attention before sm80)"
-    lines = [f"attention kernels on the {info['name']} (sm{sm}): {', '.join(kernels)}{missing}"]
-    if info.get("support_note"):
-        lines.append(f"note: {info['support_note']}")
-    return lines
-
-
-def _paged_line(details: dict[str, Any], optimizer: str, device: str) -> str | None:
-    """One line on a paged optimizer's state (``details["paged_optimizer_state_bytes"]``)."""
-    paged = details.get("paged_optimizer_state_bytes")
-    if paged is None:
-        return None
-    if device != "cuda":
-        return (
-            f"{optimizer}: nothing is paged on the CPU; its state is in the optimizer state above"
-        )
-    return (
-        f"{optimizer}: {format_bytes(int(paged))} of optimizer state in CUDA unified memory, not "
-        "in the peak above (the driver pages it out to host memory when the GPU runs short)"
-    )
-
-
-def _host_lines(details: dict[str, Any]) -> list[str]:
-    """What an offloading step holds in host memory (``details["host"]``), against its budget."""
-    info = details.get("host")
-    if not isinstance(info, dict):
-        return []
-    parts = ", ".join(
-        f"{name.replace('_', ' ')} {format_bytes(int(size))}"
-        for name, size in (info.get("parts") or {}).items()
-        if size
-    )
-    total, budget = int(info.get("total_bytes") or 0), info.get("budget_bytes")
-    line = f"host memory: {format_bytes(total)}" + (f" ({parts})" if parts else "")
-    line += ", not in the GPU peak above"
-    if budget is None:
-        return [line]
-    verdict = "fits" if info.get("fits") else "does NOT fit"
-    return [line, f"host budget: {format_bytes(int(budget))}: {verdict}"]
-
+# the name its tests know (tests/e2e/test_progress_cli.py): the line is memfit.report.console's
+_trace_depth_line = trace_depth_line
 
 # memfit estimate's own spelling: the step's micro-batch is its --batch-size
 FLAGS = {"micro_batch_size": "--batch-size"}
@@ -183,18 +120,8 @@ def estimate_command(
         typer.echo(json.dumps(result.to_dict() | margin_keys(result, safety_margin)))
     else:
         print_estimate(result, safety_margin=safety_margin)
-        for lever in LEVERS:
-            for line in lever.estimate_lines(result.details):
-                typer.echo(line)
-        for said in (
-            _paged_line(result.details, knobs["optimizer"], device),
-            _trace_depth_line(result.details),
-        ):
-            if said is not None:
-                typer.echo(said)
-        for line in _gpu_lines(result.details, device):
-            typer.echo(line)
-        for line in _host_lines(result.details):
+        # the levers' lines, a paged optimizer's, the trace's depth, the card's, the host's
+        for line in note_lines(result, knobs["optimizer"], device):
             typer.echo(line)
     if plot is not None:
         title = f"{model}: {task}, batch {batch_size} × {seq_len} tokens, {precision}, {device}"

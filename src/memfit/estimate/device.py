@@ -9,7 +9,6 @@ are added as the runtime overhead. On the CPU, each allocation takes whole pages
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 MiB = 2**20
 
@@ -38,17 +37,13 @@ def cuda_segment_size(size: int) -> int:
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
-@dataclass(slots=True)
-class _Block:
-    address: int
-    size: int
-    segment: int
-    free: bool = True
-    # the block before this one in its segment (blocks tile a segment), None for the first
-    previous: _Block | None = field(default=None, repr=False, compare=False)
+# A free block's place in its pool's sorted list: its size in the high bits, its address in the
+# low ones, so that one int orders as the tuple (size, address) did (best fit, then the lowest
+# address) and compares faster than a tuple. Addresses start at this many bits; a replay that
+# reserves more address space re-keys its pools with a wider field (``_widen``).
+_ADDRESS_BITS = 48
 
 
-@dataclass
 class CachingAllocator:
     """A replay of the CUDA caching allocator on one stream, default settings.
 
@@ -56,75 +51,121 @@ class CachingAllocator:
     512 B (small pool) or more than 1 MiB (large pool); merge with free neighbours on free; segments
     are never returned (no ``empty_cache``), so reserved memory only grows. ``max_split_size`` and
     ``expandable_segments`` are left at their defaults (unlimited, off).
+
+    A replay makes tens of thousands of these calls per estimate, so blocks are plain ints in
+    dicts rather than objects: ``_size`` maps each block's start address to its size, negated while
+    the block is free; ``_free_end`` maps the end address of each free block to its start (the
+    free block before a block being freed is the one ending where it starts). Each pool's free
+    blocks are a sorted list of keys (``_ADDRESS_BITS``): bisect finds the best fit and a free
+    block's own key in O(log n), and the lists stay short (the free blocks of one step), so their
+    inserts and deletes are cheap memmoves. Segments are placed apart (a gap after each), so the
+    block starting where another ends, or ending where another starts, is of the same segment.
     """
 
-    allocated: int = 0
-    reserved: int = 0
-    max_allocated: int = 0
-    max_reserved: int = 0
-    _next_address: int = 0
-    _blocks: dict[int, _Block] = field(default_factory=dict)  # by start address
-    _segment_end: dict[int, int] = field(default_factory=dict)  # segment start -> end address
-    _free: tuple[list[tuple[int, int]], list[tuple[int, int]]] = field(
-        default_factory=lambda: ([], [])
-    )
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.reserved = 0
+        self.max_allocated = 0
+        self.max_reserved = 0
+        self._next_address = 0
+        self._size: dict[int, int] = {}
+        self._free_end: dict[int, int] = {}
+        self._small: list[int] = []  # free blocks of 2 MiB segments (requests up to 1 MiB)
+        self._large: list[int] = []
+        self._shift = _ADDRESS_BITS
+        self._mask = (1 << _ADDRESS_BITS) - 1
 
     def malloc(self, size: int) -> int:
         """Allocate ``size`` bytes; returns the block's address (its handle)."""
-        size = cuda_round_size(size)
-        small = size <= K_SMALL_SIZE
-        pool = self._free[0 if small else 1]
-        i = bisect.bisect_left(pool, (size, -1))
-        if i < len(pool):
-            _, address = pool.pop(i)
-            block = self._blocks[address]
+        if size < K_MIN_BLOCK_SIZE:
+            size = K_MIN_BLOCK_SIZE
         else:
-            segment = cuda_segment_size(size)
-            address = self._next_address
-            # segments are distinct device ranges: never adjacent, so never merged
-            self._next_address += segment + K_SMALL_BUFFER
-            block = _Block(address, segment, address)
-            self._blocks[address] = block
-            self._segment_end[address] = address + segment
-            self.reserved += segment
-            self.max_reserved = max(self.max_reserved, self.reserved)
-        remaining = block.size - size
-        if (small and remaining >= K_MIN_BLOCK_SIZE) or (not small and remaining > K_SMALL_SIZE):
-            rest = _Block(block.address + size, remaining, block.segment, True, block)
-            after = self._blocks.get(rest.address + remaining)
-            if after is not None and after.segment == block.segment:
-                after.previous = rest
-            self._blocks[rest.address] = rest
-            bisect.insort(pool, (remaining, rest.address))
-            block.size = size
-        block.free = False
-        self.allocated += block.size
+            # cuda_round_size (512 is a power of two: the mask rounds down to its multiples)
+            size = (size + K_MIN_BLOCK_SIZE - 1) & -K_MIN_BLOCK_SIZE
+        return self.malloc_rounded(size)
+
+    def malloc_rounded(self, size: int) -> int:
+        """:meth:`malloc` of a size already rounded (:func:`cuda_round_size`)."""
+        small = size <= K_SMALL_SIZE
+        pool = self._small if small else self._large
+        shift = self._shift
+        i = bisect.bisect_left(pool, size << shift)
+        if i < len(pool):
+            key = pool.pop(i)
+            address = key & self._mask
+            block = key >> shift
+        else:
+            address, block = self.new_segment(size)
+            shift = self._shift
+        # the block taken is free, out of its pool: the rest of it (split off) stays free, and
+        # ends where it ended
+        remaining = block - size
+        if (remaining >= K_MIN_BLOCK_SIZE) if small else (remaining > K_SMALL_SIZE):
+            rest = address + size
+            self._size[rest] = -remaining
+            self._free_end[rest + remaining] = rest
+            bisect.insort(pool, remaining << shift | rest)
+            block = size
+        else:
+            del self._free_end[address + block]
+        self._size[address] = block
+        self.allocated += block
         if self.allocated > self.max_allocated:
             self.max_allocated = self.allocated
-        return block.address
+        return address
+
+    def new_segment(self, size: int) -> tuple[int, int]:
+        """cudaMalloc a segment for a request of ``size`` bytes (rounded) no cached block fits:
+        its address and size, one free block (of ``_size`` and ``_free_end``) not in a pool."""
+        block = cuda_segment_size(size)
+        address = self._next_address
+        # segments are distinct device ranges: never adjacent, so never merged
+        self._next_address = address + block + K_SMALL_BUFFER
+        if self._next_address > self._mask:
+            self._widen()
+        self._size[address] = -block
+        self._free_end[address + block] = address
+        self.reserved += block
+        if self.reserved > self.max_reserved:
+            self.max_reserved = self.reserved
+        return address, block
 
     def free(self, address: int) -> None:
-        block = self._blocks[address]
-        block.free = True
-        self.allocated -= block.size
-        small = (self._segment_end[block.segment] - block.segment) == K_SMALL_BUFFER
-        pool = self._free[0 if small else 1]
+        sizes, free_end, shift = self._size, self._free_end, self._shift
+        block = sizes[address]
+        self.allocated -= block
+        # its size names its pool: in a small segment a block in use is its request exactly (all
+        # sizes are multiples of 512 B, and a remainder of 512 B or more is split off), at most
+        # 1 MiB; in a large segment it is at least its request, over 1 MiB
+        pool = self._small if block <= K_SMALL_SIZE else self._large
+        bisect_left = bisect.bisect_left
         # merge with the following block, then with the preceding one, inside the segment
-        following = self._blocks.get(block.address + block.size)
-        if following is not None and following.free and following.segment == block.segment:
-            pool.remove((following.size, following.address))
-            del self._blocks[following.address]
-            block.size += following.size
-        preceding = block.previous
-        if preceding is not None and preceding.free:
-            pool.remove((preceding.size, preceding.address))
-            del self._blocks[block.address]
-            preceding.size += block.size
-            block = preceding
-        after = self._blocks.get(block.address + block.size)
-        if after is not None and after.segment == block.segment:
-            after.previous = block
-        bisect.insort(pool, (block.size, block.address))
+        following = address + block
+        size = sizes.get(following, 0)
+        if size < 0:
+            # its end stays the merged block's (``_free_end`` is set to it below)
+            del pool[bisect_left(pool, -size << shift | following)]
+            del sizes[following]
+            block -= size
+        preceding = free_end.pop(address, -1)
+        if preceding >= 0:
+            size = sizes[preceding]
+            del pool[bisect_left(pool, -size << shift | preceding)]
+            del sizes[address]
+            block -= size
+            address = preceding
+        sizes[address] = -block
+        free_end[address + block] = address
+        bisect.insort(pool, block << shift | address)
+
+    def _widen(self) -> None:
+        """Make room for addresses past the keys' address field: re-key both pools."""
+        old, mask = self._shift, self._mask
+        while self._next_address > self._mask:
+            self._shift += 16
+            self._mask = (1 << self._shift) - 1
+        for pool in (self._small, self._large):
+            pool[:] = sorted((key >> old) << self._shift | (key & mask) for key in pool)
 
 
 # --- CPU -------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ reporting the second, and adds what lives outside the allocator (CUDA context, c
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -119,6 +120,34 @@ def _host_allocs(seg: Segment) -> frozenset[int]:
         found = frozenset(j for j, op in enumerate(seg.ops) if op == HOST_OP)
         seg._host_allocs = found  # type: ignore[attr-defined]
     return found
+
+
+def _transient_events(seg: Segment) -> list[tuple[int, int]]:
+    """``seg``'s events as a later micro-batch of an accumulated step walks them (found once per
+    segment): each gradient it computes is added in place into the first micro-batch's, so it is
+    freed as soon as it is allocated, and its own free is dropped (host copies left as they are)."""
+    found: list[tuple[int, int]] | None = getattr(seg, "_transient_events", None)
+    if found is None:
+        grads, cats, host = CAT["gradients"], seg.categories, _host_allocs(seg)
+        found = []
+        for kind, ref in seg.events:
+            if kind in (ALLOC, FREE) and ref not in host and cats[ref] == grads:
+                if kind == ALLOC:
+                    found += [(ALLOC, ref), (FREE, ref)]
+                continue
+            found.append((kind, ref))
+        seg._transient_events = found  # type: ignore[attr-defined]
+    return found
+
+
+def _cuda_rounded(sizes: list[int]) -> list[int]:
+    """Each size as CUDA's allocator rounds it (:func:`memfit.estimate.device.cuda_round_size`),
+    0 kept (an allocation a sharding scheme removed allocates nothing)."""
+    lowest, multiple = dev.K_MIN_BLOCK_SIZE, -dev.K_MIN_BLOCK_SIZE
+    step = lowest - 1
+    return [
+        ((size + step) & multiple if size >= lowest else lowest) if size else 0 for size in sizes
+    ]
 
 
 class _Sharded:
@@ -257,11 +286,17 @@ class StepWalk:
     def place(self, ids: Iterable[int]) -> None:
         """Allocate the resident tensors ``ids`` (global ids), piece by piece."""
         sizes, cats = self.trace.resident_sizes, self.trace.resident_categories
+        handles, raw, malloc, pieces = (
+            self.handles,
+            self.raw,
+            self.memory.malloc,
+            self.sharded.pieces,
+        )
         for g in ids:
-            self.handles[g] = []
-            for size, cat in self.sharded.pieces(g, sizes[g], cats[g]):
-                self.handles[g].append(self.memory.malloc(size))
-                self.raw[cat] += size
+            placed = handles[g] = []
+            for size, cat in pieces(g, sizes[g], cats[g]):
+                placed.append(malloc(size))
+                raw[cat] += size
 
     def start_peak(self, level: int) -> None:
         """The peak so far is ``level``, with what is alive now."""
@@ -332,50 +367,160 @@ class StepWalk:
         ``transient_grads``: a later micro-batch of an accumulated step, whose gradients are
         computed and added in place into the first micro-batch's (alive all along).
         """
-        malloc, free, track, raw = self.memory.malloc, self.memory.free, self.track, self.raw
+        memory = self.memory
+        events = _transient_events(seg) if transient_grads else seg.events
+        if isinstance(memory, CudaMemory):
+            return self._run_cuda(memory.allocator, seg, events, seg_sizes, prev, globals_)
+        malloc, free, track, raw = memory.malloc, memory.free, self.track, self.raw
         local = [0] * len(seg_sizes)
         seg_cats = seg.categories
-        grads = CAT["gradients"]
         host = _host_allocs(seg)
-        for kind, ref in seg.events:
-            if host and kind in (ALLOC, FREE) and ref in host:
+        for kind, ref in events:
+            if host and ref in host and kind in (ALLOC, FREE):
                 # a host copy: host memory, not the device's
                 self._host(seg_sizes[ref], kind == ALLOC)
-                continue
-            if kind == ALLOC:
+            elif kind == ALLOC:
                 size = seg_sizes[ref]
                 local[ref] = malloc(size)
                 raw[seg_cats[ref]] += size
                 if globals_ is not None:
                     self.handles[globals_[ref]] = [local[ref]]
                 track()
-                if transient_grads and seg_cats[ref] == grads:
-                    free(local[ref])
-                    raw[grads] -= size
-                continue
-            if transient_grads and kind == FREE and seg_cats[ref] == grads:
-                continue
-            elif kind in (MARK, BLOCK):
-                self._mark(kind, ref)
             elif kind == FREE:
                 free(local[ref])
                 raw[seg_cats[ref]] -= seg_sizes[ref]
-            elif kind == FREE_PREV:
-                assert prev is not None
-                if ref in _host_allocs(self.walked):
-                    # a host copy kept to the optimizer step (a save no backward node took)
-                    self._host(self.fb_after[ref], False)
-                    continue
-                free(prev[ref])
-                raw[self.walked.categories[ref]] -= self.fb_after[ref]
             else:
-                # a resident tensor (parameter, optimizer state) the step frees
-                sizes, cats = self.trace.resident_sizes, self.trace.resident_categories
-                for handle in self.handles[ref]:
-                    free(handle)
-                for size, cat in self.sharded.pieces(ref, sizes[ref], cats[ref]):
-                    raw[cat] -= size
+                self._other(kind, ref, prev)
         return local
+
+    def _run_cuda(
+        self,
+        allocator: dev.CachingAllocator,
+        seg: Segment,
+        events: list[tuple[int, int]],
+        seg_sizes: list[int],
+        prev: list[int] | None,
+        globals_: list[int] | None,
+    ) -> list[int]:
+        """:meth:`run` on CUDA's caching allocator, with the allocator's own loop inlined.
+
+        The loop runs once per event of the step (tens of thousands for a large model), so the
+        allocator's common paths (``malloc_rounded`` from a cached block, and ``free``, of
+        :class:`~memfit.estimate.device.CachingAllocator`) are written out here on its dicts and
+        pools, its allocated bytes held in locals, and :meth:`track` is inlined (``peak``: the
+        current phase's highest level so far). What is rarer (a new segment, phase and block
+        marks, frees of an earlier segment's or resident allocations) goes through the
+        allocator's and the walk's methods, the counts written back first.
+        tests/unit/estimate/test_replay_inline.py holds this to :meth:`run`'s generic walk over
+        the allocator's methods.
+        """
+        sizes_of, free_end = allocator._size, allocator._free_end
+        small_pool, large_pool = allocator._small, allocator._large
+        shift, mask = allocator._shift, allocator._mask
+        allocated, max_allocated = allocator.allocated, allocator.max_allocated
+        small_size, min_block = dev.K_SMALL_SIZE, dev.K_MIN_BLOCK_SIZE
+        bisect_left, insort = bisect.bisect_left, bisect.insort
+        raw, handles, phases = self.raw, self.handles, self.phases
+        tracking = self.tracking
+        peak = phases.get(self.phase, 0)
+        alloc_sizes = _cuda_rounded(seg_sizes)
+        local = [0] * len(seg_sizes)
+        seg_cats = seg.categories
+        host = _host_allocs(seg)
+        for kind, ref in events:
+            if host and ref in host and kind in (ALLOC, FREE):
+                # a host copy: host memory, not the device's
+                self._host(seg_sizes[ref], kind == ALLOC)
+            elif kind == ALLOC:
+                size = alloc_sizes[ref]
+                if size:
+                    # CachingAllocator.malloc_rounded
+                    small = size <= small_size
+                    pool = small_pool if small else large_pool
+                    i = bisect_left(pool, size << shift)
+                    if i < len(pool):
+                        key = pool.pop(i)
+                        address, block = key & mask, key >> shift
+                    else:
+                        address, block = allocator.new_segment(size)
+                        shift, mask = allocator._shift, allocator._mask
+                    remaining = block - size
+                    if (remaining >= min_block) if small else (remaining > small_size):
+                        rest = address + size
+                        sizes_of[rest] = -remaining
+                        free_end[rest + remaining] = rest
+                        insort(pool, remaining << shift | rest)
+                        block = size
+                    else:
+                        del free_end[address + block]
+                    sizes_of[address] = block
+                    allocated += block
+                    if allocated > max_allocated:
+                        max_allocated = allocated
+                    local[ref] = address
+                else:
+                    local[ref] = _NONE
+                size = seg_sizes[ref]
+                raw[seg_cats[ref]] += size
+                if globals_ is not None:
+                    handles[globals_[ref]] = [local[ref]]
+                if tracking and allocated > peak:
+                    phase = self.phase
+                    phases[phase] = peak = allocated
+                    if allocated > self.best:
+                        self.best, self.best_raw, self.best_phase = allocated, list(raw), phase
+            elif kind == FREE:
+                address = local[ref]
+                if address != _NONE:
+                    # CachingAllocator.free
+                    block = sizes_of[address]
+                    allocated -= block
+                    pool = small_pool if block <= small_size else large_pool
+                    following = address + block
+                    size = sizes_of.get(following, 0)
+                    if size < 0:
+                        del pool[bisect_left(pool, -size << shift | following)]
+                        del sizes_of[following]
+                        block -= size
+                    preceding = free_end.pop(address, -1)
+                    if preceding >= 0:
+                        size = sizes_of[preceding]
+                        del pool[bisect_left(pool, -size << shift | preceding)]
+                        del sizes_of[address]
+                        block -= size
+                        address = preceding
+                    sizes_of[address] = -block
+                    free_end[address + block] = address
+                    insort(pool, block << shift | address)
+                raw[seg_cats[ref]] -= seg_sizes[ref]
+            else:
+                allocator.allocated, allocator.max_allocated = allocated, max_allocated
+                self._other(kind, ref, prev)
+                allocated, max_allocated = allocator.allocated, allocator.max_allocated
+                peak = phases.get(self.phase, 0)
+        allocator.allocated, allocator.max_allocated = allocated, max_allocated
+        return local
+
+    def _other(self, kind: int, ref: int, prev: list[int] | None) -> None:
+        """An event of :meth:`run` other than an allocation or a free of the segment's own."""
+        raw = self.raw
+        if kind in (MARK, BLOCK):
+            self._mark(kind, ref)
+        elif kind == FREE_PREV:
+            assert prev is not None
+            if ref in _host_allocs(self.walked):
+                # a host copy kept to the optimizer step (a save no backward node took)
+                self._host(self.fb_after[ref], False)
+                return
+            self.memory.free(prev[ref])
+            raw[self.walked.categories[ref]] -= self.fb_after[ref]
+        else:
+            # a resident tensor (parameter, optimizer state) the step frees
+            sizes, cats = self.trace.resident_sizes, self.trace.resident_categories
+            for handle in self.handles[ref]:
+                self.memory.free(handle)
+            for size, cat in self.sharded.pieces(ref, sizes[ref], cats[ref]):
+                raw[cat] -= size
 
     def _host(self, size: int, alloc: bool) -> None:
         size = pinned_block_bytes(size) if self.pinned else size

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from memfit.errors import UsageError
 # where a config.json is (on disk, in the registry, on the Hub) is found without transformers, in
 # memfit.models.hub; the registry's names live in memfit.models.names, where `memfit models` reads
 # them without importing transformers
-from memfit.models.hub import locate_config
+from memfit.models.hub import Located, locate_config
 from memfit.models.names import REGISTRY as _REGISTRY
 from memfit.models.names import config_text
 
@@ -100,9 +101,10 @@ def resolve_model(model: str) -> ModelSpec:
     name with the registry's nearest entries, a config that is not valid) when none matches.
     """
     found = locate_config(model)
-    if found.path is None:
-        return _spec(found.name, _registry_config(found.name), found.source, None)
-    return _spec(found.name, _load_config(found.path), found.source, found.path.parent)
+    config = _cached_config(found)
+    return _spec(
+        found.name, config, found.source, None if found.path is None else found.path.parent
+    )
 
 
 def parameter_count(model: ModelSpec | PretrainedConfig) -> int:
@@ -165,6 +167,47 @@ def _spec(name: str, config: PretrainedConfig, source: str, path: Path | None) -
         path=None if path is None else str(path),
         max_positions=usable_positions(config),
     )
+
+
+# Configs built so far, by where they came from: building one (transformers' from_dict, with its
+# validation) takes about a millisecond, and `estimate` resolves its model on every call (`memfit
+# ui` asks ~15 shapes per slider move). A config is mutable and callers may change theirs (a
+# model built from it records choices in it), so each caller gets its own deep copy of the one
+# built (about 30 times cheaper than building it again, and equal to it). A file is known by its
+# path with its modification time and size, so an edited config.json is read again.
+_CONFIGS: dict[tuple[Any, ...], PretrainedConfig] = {}
+_CONFIGS_KEPT = 64  # the most kept (a long session editing one file makes a new key per edit)
+_CONFIGS_LOCK = threading.Lock()  # `memfit ui` answers from several threads
+
+
+def _cached_config(found: Located) -> PretrainedConfig:
+    """The config ``found`` names, built once (:data:`_CONFIGS`); a copy of it for the caller."""
+    key = _config_key(found)
+    config = None if key is None else _CONFIGS.get(key)
+    if config is None:
+        path = found.path
+        config = _registry_config(found.name) if path is None else _load_config(path)
+        # kept only where the file did not change while it was read
+        if key is not None and key == _config_key(found):
+            with _CONFIGS_LOCK:
+                if len(_CONFIGS) >= _CONFIGS_KEPT:
+                    _CONFIGS.pop(next(iter(_CONFIGS)), None)
+                _CONFIGS[key] = config
+            config = copy.deepcopy(config)
+        return config
+    return copy.deepcopy(config)
+
+
+def _config_key(found: Located) -> tuple[Any, ...] | None:
+    """What identifies ``found``'s config: a registry entry's name, a file's path, modification
+    time and size; None where the file cannot be read (building it says why)."""
+    if found.path is None:
+        return (found.source, found.name)
+    try:
+        stat = found.path.stat()
+    except OSError:
+        return None
+    return (found.source, found.name, str(found.path), stat.st_mtime_ns, stat.st_size)
 
 
 def _registry_config(name: str) -> PretrainedConfig:

@@ -61,6 +61,11 @@ RUN_BY = {
         "tests/e2e/test_sft_example_cap.py",
         'f"MEMFIT_MEMORY_CAP={docstring_cap()} python examples/sft_after.py" in page',
     ),
+    # docs/ui.md: the browser test serves the page with it (on a free --port, --no-open)
+    "memfit ui": (
+        "tests/e2e/test_ui_browser.py",
+        '[sys.executable, "-m", "memfit", "ui", "--port", str(port), "--no-open"]',
+    ),
     # docs/models.md's offline line: run, and its output compared, by the hub test
     "HF_HUB_OFFLINE=1 memfit estimate Qwen/Qwen3-8B --task causal-lm --batch-size 1 --seq-len 128 "
     "--gpu t4": (
