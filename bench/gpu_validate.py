@@ -1405,18 +1405,13 @@ def replayed_segments(allocators: Sequence[Any], reserved: int | None) -> dict[s
     try:
         from memfit.estimate import device as memfit_device
 
-        blocks: dict[int, list[Any]] = {}
-        for block in chosen._blocks.values():
-            blocks.setdefault(block.segment, []).append(block)
         segments = [
-            {
-                "total": end - start,
-                "allocated": sum(b.size for b in blocks.get(start, []) if not b.free),
-                "free_blocks": [b.size for b in blocks.get(start, []) if b.free],
+            seg
+            | {
                 "stream": 0,
-                "pool": "small" if end - start == memfit_device.K_SMALL_BUFFER else "large",
+                "pool": "small" if seg["total"] == memfit_device.K_SMALL_BUFFER else "large",
             }
-            for start, end in chosen._segment_end.items()
+            for seg in chosen.segments()
         ]
     except Exception as exc:  # memfit's allocator replay changed its insides: say so
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -39,7 +39,7 @@ from memfit.cli import main
 
 # .ci/run sets it: there the browser test is the acceptance, and a missing browser,
 # Playwright or Gradio fails it instead of skipping it
-REQUIRED = os.environ.get("MEMFIT_REQUIRE_BROWSER") == "1"
+REQUIRED = os.environ.get("CI_REQUIRE_BROWSER") == "1"
 try:
     import gradio  # noqa: F401
     from playwright import sync_api
@@ -111,7 +111,7 @@ def browser() -> Iterator[Any]:
     executable = _chromium()
     if executable is None:
         if REQUIRED:
-            pytest.fail("no chromium on PATH, and MEMFIT_REQUIRE_BROWSER=1 (.ci/run installs it)")
+            pytest.fail("no chromium on PATH, and CI_REQUIRE_BROWSER=1 (.ci/run installs it)")
         pytest.skip("no chromium on PATH (.ci/run installs Debian's chromium)")
     with sync_api.sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])

@@ -9,6 +9,7 @@ are added as the runtime overhead. On the CPU, each allocation takes whole pages
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 MiB = 2**20
 
@@ -74,6 +75,27 @@ class CachingAllocator:
         self._large: list[int] = []
         self._shift = _ADDRESS_BITS
         self._mask = (1 << _ADDRESS_BITS) - 1
+        self._segments: list[tuple[int, int]] = []  # (start, size) of each segment, in order
+
+    def segments(self) -> list[dict[str, Any]]:
+        """Each segment as it stands: ``total`` (its size), ``allocated`` (the bytes of its blocks
+        in use) and ``free_blocks`` (the sizes of its free ones), in the order they were made:
+        what ``torch.cuda.memory._snapshot()`` says of a real allocator's (bench/gpu_validate.py
+        compares the two)."""
+        starts = sorted(self._size)
+        found = []
+        for start, size in self._segments:
+            first = bisect.bisect_left(starts, start)
+            last = bisect.bisect_left(starts, start + size)
+            blocks = [self._size[a] for a in starts[first:last]]
+            found.append(
+                {
+                    "total": size,
+                    "allocated": sum(b for b in blocks if b > 0),
+                    "free_blocks": [-b for b in blocks if b < 0],
+                }
+            )
+        return found
 
     def malloc(self, size: int) -> int:
         """Allocate ``size`` bytes; returns the block's address (its handle)."""
@@ -125,6 +147,7 @@ class CachingAllocator:
             self._widen()
         self._size[address] = -block
         self._free_end[address + block] = address
+        self._segments.append((address, block))
         self.reserved += block
         if self.reserved > self.max_reserved:
             self.max_reserved = self.reserved
