@@ -290,23 +290,34 @@ _ANSWERED_LOCK = threading.Lock()
 _SESSIONS = 1000
 
 
-def _seen(request: gr.Request | None, query: str) -> bool:
-    """Whether this session was last answered ``query`` (and remember it)."""
-    session = getattr(request, "session_hash", None) if request is not None else None
-    if not session:
-        return False
+def _session(request: gr.Request | None) -> str | None:
+    """The tab a request came from (None: a direct call, which remembers nothing)."""
+    return getattr(request, "session_hash", None) if request is not None else None
+
+
+def _shown_already(
+    memory: collections.OrderedDict[Any, Any], key: Any, value: Any, limit: int = _SESSIONS
+) -> bool:
+    """Whether ``memory`` holds ``value`` at ``key`` (and remember it there, the oldest keys
+    dropped past ``limit``)."""
     with _ANSWERED_LOCK:
-        if _ANSWERED.get(session) == query:
+        if memory.get(key) == value:
             return True
-        _ANSWERED[session] = query
-        _ANSWERED.move_to_end(session)
-        while len(_ANSWERED) > _SESSIONS:
-            _ANSWERED.popitem(last=False)
+        memory[key] = value
+        memory.move_to_end(key)
+        while len(memory) > limit:
+            memory.popitem(last=False)
     return False
 
 
+def _seen(request: gr.Request | None, query: str) -> bool:
+    """Whether this session was last answered ``query`` (and remember it)."""
+    session = _session(request)
+    return bool(session) and _shown_already(_ANSWERED, session, query)
+
+
 def _forget(request: gr.Request | None) -> None:
-    session = getattr(request, "session_hash", None) if request is not None else None
+    session = _session(request)
     if session:
         with _ANSWERED_LOCK:
             _ANSWERED.pop(session, None)
@@ -436,22 +447,14 @@ _SHOWN: collections.OrderedDict[tuple[str, str], tuple[Any, str]] = collections.
 
 def _curve_shown(request: gr.Request | None, name: str, frame: Any, title: str) -> bool:
     """Whether this session's ``name`` shows ``frame`` with ``title`` already (and remember it)."""
-    session = getattr(request, "session_hash", None) if request is not None else None
-    if not session:
-        return False
+    session = _session(request)
     data = None if frame is None else frame.to_json(orient="split")
-    with _ANSWERED_LOCK:
-        if _SHOWN.get((session, name)) == (data, title):
-            return True
-        _SHOWN[(session, name)] = (data, title)
-        _SHOWN.move_to_end((session, name))
-        while len(_SHOWN) > _SESSIONS * len(CURVE_OUTPUTS):
-            _SHOWN.popitem(last=False)
-    return False
+    limit = _SESSIONS * len(CURVE_OUTPUTS)
+    return bool(session) and _shown_already(_SHOWN, (session, name), (data, title), limit)
 
 
 def _forget_curves(request: gr.Request | None) -> None:
-    session = getattr(request, "session_hash", None) if request is not None else None
+    session = _session(request)
     if session:
         with _ANSWERED_LOCK:
             for name in CURVE_OUTPUTS:
