@@ -20,8 +20,8 @@ are printed. Then the timed moves:
 - each move is a script in the page: the time origin (`performance.now()`) just before the range
   input's `input` event; the time the answer is on the page (`#cli-command`, which names every
   flag of the job, changed: the total may not, two shapes can need the same bytes); the time each
-  of the three figures (`#breakdown`, `#seq-curve`, `#batch-curve`) changed in the DOM (a Vega
-  redraw, watched by a MutationObserver; the progress tracker's own changes not counted). The
+  of the three figures (`#breakdown`, `#seq-curve`, `#batch-curve`) changed in the DOM (a new
+  bar or SVG, watched by a MutationObserver; the progress tracker's own changes not counted). The
   move is over when nothing has changed for 1 s after the answer: a figure not redrawn by then
   was not sent (its data the same: the length curve while the length moves). Two latencies per
   move, each median and max against 100 ms (issue 37), PASS or MISS: the first figures (the
@@ -81,9 +81,8 @@ from _speed_common import (
 
 LIMIT_MS = 100.0  # issue 37: a slider move to new figures, median and max
 FIGURES = ("breakdown", "seq-curve", "batch-curve")
-# a move is over when no figure has changed for this long after its answer (a Vega redraw is
-# several changes); a figure not redrawn by then is not redrawn (the page did not send it: its
-# data the same)
+# a move is over when no figure has changed for this long after its answer; a figure not
+# redrawn by then is not redrawn (the page did not send it: its data the same)
 QUIET_MS = 1000
 MOVE_TIMEOUT_MS = 120_000
 FIRST_TIMEOUT_MS = 600_000
@@ -269,8 +268,8 @@ def serve() -> Iterator[tuple[str, ServerTimes]]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    demo = app.build_app()
-    demo.launch(prevent_thread_lock=True, server_port=port, quiet=True)
+    demo = app.build_app(server=True)  # as `memfit ui` builds it (its process its own)
+    demo.launch(prevent_thread_lock=True, server_port=port, quiet=True, **app.LAUNCH)
     try:
         yield f"http://127.0.0.1:{port}/", times
     finally:
@@ -364,7 +363,7 @@ def move(page: Any, slider: str, value: int) -> dict[str, Any]:
 def _wait_idle(page: Any, timeout_ms: float = MOVE_TIMEOUT_MS) -> None:
     page.wait_for_function(
         """(ids) => ids.every((id) => document.querySelector(
-                id === 'breakdown' ? '#breakdown .memfit-bar' : `#${id} svg.marks`))
+                id === 'breakdown' ? '#breakdown .memfit-bar' : `#${id} svg.memfit-curve`))
             && !document.querySelector('[data-testid="status-tracker"]:not(.hide)')""",
         arg=list(FIGURES),
         timeout=timeout_ms,
@@ -635,6 +634,8 @@ def floor_moves(browser: Any, moves: int) -> list[float]:
     against it."""
     import gradio as gr  # optional: the ui extra (the page's own)
 
+    from memfit.ui.app import LAUNCH  # the page's launch options (no run history)
+
     with gr.Blocks(analytics_enabled=False) as floor:
         slider = gr.Slider(1, 4096, value=1, step=1, elem_id="floor-slider")
         out = gr.Textbox(elem_id="floor-out")
@@ -649,7 +650,7 @@ def floor_moves(browser: Any, moves: int) -> list[float]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    floor.launch(prevent_thread_lock=True, server_port=port, quiet=True)
+    floor.launch(prevent_thread_lock=True, server_port=port, quiet=True, **LAUNCH)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"http://127.0.0.1:{port}/")

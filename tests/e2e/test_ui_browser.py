@@ -13,7 +13,7 @@ Screenshots (the whole page after the estimate and after the plan) go to docs/im
 ``MEMFIT_SCREENSHOTS=1`` (docs/ui.md shows them), else to the test's temporary folder.
 
 Every wait is on a condition of the page (an input's value, the answer's CLI line, the figures'
-SVG), never a fixed sleep: the figures are drawn by Vega after the values arrive.
+SVG), never a fixed sleep.
 """
 
 from __future__ import annotations
@@ -203,11 +203,11 @@ def _wait_for_answer(page: Any, *phrases: str) -> None:
 
 
 def _wait_for_figures(page: Any) -> None:
-    """Until every figure is drawn (the breakdown's bar, the curves' Vega SVGs) and no element
+    """Until every figure is drawn (the breakdown's bar, the curves' SVGs) and no element
     shows progress."""
     page.wait_for_function(
         """(ids) => ids.every((id) => document.querySelector(
-                id === 'breakdown' ? '#breakdown .memfit-bar' : `#${id} svg.marks`))
+                id === 'breakdown' ? '#breakdown .memfit-bar' : `#${id} svg.memfit-curve`))
             && !document.querySelector('[data-testid="status-tracker"]:not(.hide)')""",
         arg=list(PLOTS),
         timeout=ANSWER_MS,
@@ -325,6 +325,14 @@ def test_the_page_answers_as_the_cli(page_url: str, browser: Any, tmp_path: Path
     assert reader.locator("#batch-size input[type='number']").input_value() == str(BATCH_SIZE)
     assert reader.locator("#effective-batch-size input").input_value() == str(EFFECTIVE_BATCH_SIZE)
     assert int(_value(reader, "total-bytes")) == total
+    # its length slider spans the model's positions (GPT-2's 1,024, past the default BERT's 512)
+    # and a move to the end answers
+    end = reader.locator("#seq-len input[type='range']")
+    assert end.get_attribute("max") == "1024"
+    end.focus()
+    end.press("End")
+    _wait_for_answer(reader, *_phrases(_job_flags(1024)))
+    assert _markdown(reader, "error").strip() == ""
     lap("the link")
 
     # a broken config.json: one line, as the CLI says it; no answer beside it (the inputs show
@@ -357,7 +365,7 @@ def test_the_page_answers_as_the_cli(page_url: str, browser: Any, tmp_path: Path
     number = reader.locator("#batch-size input[type='number']")
     number.fill(str(2 * BATCH_SIZE))
     number.press("Enter")
-    after = _job_flags(seq_len)
+    after = _job_flags(1024)  # the reader's length, moved to the end above
     after[after.index("--batch-size") + 1] = str(2 * BATCH_SIZE)
     _wait_for_answer(reader, *_phrases(after))
     assert _markdown(reader, "error").strip() == ""

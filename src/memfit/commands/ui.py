@@ -97,7 +97,7 @@ def ui_command(
         os.environ.pop(_NO_BACKGROUND, None)
     with progress.status("loading gradio", subject="memfit ui"):
         # optional: gradio is the 'ui' extra; start-up: it takes seconds to import
-        from memfit.ui.app import MAX_UPLOAD, build_app
+        from memfit.ui.app import LAUNCH, build_app
 
         progress.report("building the page")
         # the model box reads paths on this machine only where the page is this machine's own
@@ -110,7 +110,7 @@ def ui_command(
                 share=share,
                 prevent_thread_lock=True,
                 quiet=True,
-                max_file_size=MAX_UPLOAD,
+                **LAUNCH,
             )
         except OSError as exc:
             # (taken between the check above and the server's own bind, say)

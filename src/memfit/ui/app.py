@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import pandas as pd
 
 from memfit import progress as memfit_progress
 from memfit.devices import catalog
@@ -41,6 +40,7 @@ from memfit.job import MODES, TASKS
 from memfit.levers import ALLOWABLE
 from memfit.models.names import REGISTRY, stored_rows
 from memfit.ui import answers
+from memfit.ui.figure import curve_svg
 from memfit.ui.job import (
     KNOB_GROUPS,
     PageJob,
@@ -54,6 +54,12 @@ from memfit.units import format_bytes
 
 # the largest config.json the page takes (a model's is a few KiB; it travels in the link)
 MAX_UPLOAD = "1mb"
+# what every server of the page launches it with (memfit ui, app.py, bench/ui_speed.py): no run
+# history, Gradio's record of every event's inputs and outputs in the browser's localStorage,
+# read and written whole several times per event (an eighth of the browser's busy time in a
+# slider's move, in a profile of eight moves in Chromium on 2 cores; it grows with the 100 runs
+# it keeps); the page's link is its own history
+LAUNCH: dict[str, Any] = {"max_file_size": MAX_UPLOAD, "run_history": False}
 # the sequence-length slider's end where the model's positions are not known (a Hub id, an upload)
 SEQ_LEN_MAX = 32_768
 BATCH_SIZE_MAX = 256
@@ -61,7 +67,6 @@ BATCH_SIZE_MAX = 256
 ESTIMATOR = "memfit-estimator"
 # ... and every call into it, the queued events' and the sliders' (which skip the queue)
 ESTIMATOR_LOCK = threading.RLock()
-_GIB = float(1 << 30)
 _NO_GPU = "none"
 
 # the fixed inputs, in the order the handlers take their values (the knobs follow, then these)
@@ -219,8 +224,8 @@ def breakdown_html(answer: answers.EstimateAnswer) -> str:
 
     Plain HTML, not a Vega plot: a slider move redraws this figure every time, and a Vega redraw
     costs 50-80 ms in a browser on a machine without a GPU (bench/ui_speed.py), most of the
-    100 ms a move may take; boxes of a width in per cent draw at once. The curves stay Vega
-    plots (axes, tooltips), redrawn only when their data change."""
+    100 ms a move may take; boxes of a width in per cent draw at once. The curves are inline
+    SVGs for the same reason (:mod:`memfit.ui.figure`)."""
     total = answer.total_bytes
     budget = answer.budget_bytes
     scale = max(total, budget or 0) or 1
@@ -253,27 +258,6 @@ def breakdown_html(answer: answers.EstimateAnswer) -> str:
         f'<div class="memfit-bar" style="{_BAR}">{"".join(boxes)}{line}</div>'
         f'<div class="memfit-legend" style="{_LEGEND}">{"".join(legend)}</div></div>'
     )
-
-
-def curve_frame(curve: answers.Curve) -> pd.DataFrame:
-    """A curve's rows: the estimates, the card's line ("budget", where there is a card) and the
-    largest size that fits (a vertical mark up to the budget)."""
-    axis = curve.axis
-    rows = [{axis: x, "GiB": total / _GIB, "series": "estimate"} for x, total in curve.points]
-    if curve.budget_bytes is not None and curve.points:
-        xs = [x for x, _ in curve.points]
-        budget = curve.budget_bytes / _GIB
-        rows += [{axis: x, "GiB": budget, "series": "budget"} for x in (min(xs), max(xs))]
-        if curve.crossing is not None:
-            rows += [
-                {axis: curve.crossing, "GiB": y, "series": "largest that fits"}
-                for y in (0.0, budget)
-            ]
-    return pd.DataFrame(rows, columns=[axis, "GiB", "series"])
-
-
-def _plot(frame: pd.DataFrame, title: str) -> Any:
-    return gr.update(value=frame, title=title)
 
 
 def _curve_title(curve: answers.Curve, job: PageJob) -> str:
@@ -426,31 +410,27 @@ def answer_curves(*values: Any, request: gr.Request | None = None) -> list[Any]:
         if not isinstance(exc, UsageError):
             traceback.print_exception(exc, file=sys.stderr)
         _forget_curves(request)
-        return [gr.update(value=None), gr.update(value=None), ""]
-    figures = [
-        (curve_frame(seq_curve), _curve_title(seq_curve, job)),
-        (curve_frame(batch_curve), _curve_title(batch_curve, job)),
+        return ["", "", ""]
+    shown = [
+        curve_svg(seq_curve, _curve_title(seq_curve, job)),
+        curve_svg(batch_curve, _curve_title(batch_curve, job)),
+        "\n\n".join(note for note in (seq_curve.note, batch_curve.note) if note),
     ]
-    note = "\n\n".join(note for note in (seq_curve.note, batch_curve.note) if note)
     return [
-        *(
-            gr.skip() if _curve_shown(request, name, frame, title) else _plot(frame, title)
-            for name, (frame, title) in zip(CURVE_OUTPUTS, figures, strict=False)
-        ),
-        gr.skip() if _curve_shown(request, "curve-note", None, note) else note,
+        gr.skip() if _curve_shown(request, name, value) else value
+        for name, value in zip(CURVE_OUTPUTS, shown, strict=True)
     ]
 
 
-# what each session's curves show now: (session, output) -> the figure's data and title
-_SHOWN: collections.OrderedDict[tuple[str, str], tuple[Any, str]] = collections.OrderedDict()
+# what each session's curves show now: (session, output) -> the figure (or the note)
+_SHOWN: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
 
 
-def _curve_shown(request: gr.Request | None, name: str, frame: Any, title: str) -> bool:
-    """Whether this session's ``name`` shows ``frame`` with ``title`` already (and remember it)."""
+def _curve_shown(request: gr.Request | None, name: str, value: str) -> bool:
+    """Whether this session's ``name`` shows ``value`` already (and remember it)."""
     session = _session(request)
-    data = None if frame is None else frame.to_json(orient="split")
     limit = _SESSIONS * len(CURVE_OUTPUTS)
-    return bool(session) and _shown_already(_SHOWN, (session, name), (data, title), limit)
+    return bool(session) and _shown_already(_SHOWN, (session, name), value, limit)
 
 
 def _forget_curves(request: gr.Request | None) -> None:
@@ -471,20 +451,86 @@ def _gradio_answer_estimate(
     return answer_estimate(*values, request=request, progress=progress)
 
 
-def _gradio_answer_moved(request: gr.Request, *values: Any) -> list[Any]:
-    return answer_estimate(*values, request=request, cached_only=True)
-
-
 def _gradio_answer_curves(request: gr.Request, *values: Any) -> list[Any]:
     return answer_curves(*values, request=request)
 
 
-# what the page load sets: every input, the slider's range, then the estimate's outputs
+def keep_inputs(*values: Any) -> list[Any]:
+    """The inputs' values as the user set them, kept in the tab's state for the sliders' moves
+    (:func:`moved_values`)."""
+    return list(values)
+
+
+def moved_values(batch_size: Any, seq_len: Any, kept: Sequence[Any] | None) -> list[Any] | None:
+    """The inputs' values of a slider's move: those the tab kept (:func:`keep_inputs`) with the
+    sliders' own; None before the tab kept any (the page still loading).
+
+    A move sends the two sliders and the tab's state, not all 34 inputs: Gradio's front end
+    copies every input's whole component for each event it sends. A move's handler began 43 ms
+    after its input event when it sent them all (with Gradio's run history on and the inputs set
+    as the load's outputs, both since changed: :data:`LAUNCH`, :func:`load_page`), 13-16 ms after
+    now, of the 100 ms a move may take (bench/ui_speed.py, 2 cores without a GPU)."""
+    if kept is None or len(kept) != len(input_names()):
+        return None
+    values = list(kept)
+    names = input_names()
+    values[names.index("batch_size")] = batch_size
+    values[names.index("seq_len")] = seq_len
+    return values
+
+
+def answer_moved(
+    batch_size: Any, seq_len: Any, kept: Sequence[Any] | None, *, request: gr.Request | None = None
+) -> list[Any]:
+    """A slider's move, first step: :func:`answer_estimate` from the traces already made."""
+    values = moved_values(batch_size, seq_len, kept)
+    if values is None:
+        return [gr.skip() for _ in ESTIMATE_OUTPUTS]
+    return answer_estimate(*values, request=request, cached_only=True)
+
+
+def curves_moved(
+    batch_size: Any, seq_len: Any, kept: Sequence[Any] | None, *, request: gr.Request | None = None
+) -> list[Any]:
+    """A slider's move, second step: :func:`answer_curves` (which never traces)."""
+    values = moved_values(batch_size, seq_len, kept)
+    if values is None:
+        return [gr.skip() for _ in CURVE_OUTPUTS]
+    return answer_curves(*values, request=request)
+
+
+def _gradio_answer_moved(
+    request: gr.Request, batch_size: Any, seq_len: Any, kept: Any
+) -> list[Any]:
+    return answer_moved(batch_size, seq_len, kept, request=request)
+
+
+def _gradio_curves_moved(
+    request: gr.Request, batch_size: Any, seq_len: Any, kept: Any
+) -> list[Any]:
+    return curves_moved(batch_size, seq_len, kept, request=request)
+
+
+# the inputs a page load sets in the browser (a script: see load_page); the uploaded config, a
+# state of the server's, is set by the load itself
+SHOWN = tuple(name for name in input_names() if name != "config_json")
+# ... that script: the inputs' values (the sequence-length slider's an update: its range too)
+_SHOW_INPUTS_JS = """(shown) => (shown ? JSON.parse(shown) : [])"""
+
+
 def load_page(
     params: dict[str, str] | None, *, request: gr.Request | None = None, progress: Any = None
 ) -> list[Any]:
-    """The inputs that show the job of the page's link (``params``: its query), and the answer
-    to it; never raises (a bad link: its line in ``error``, the inputs at the defaults)."""
+    """What the page's load sets for the job of its link (``params``: its query): the inputs'
+    values as JSON (:data:`SHOWN`, set in the browser by a script), the tab's kept inputs, the
+    uploaded config, and the answer to the job; never raises (a bad link: its line in ``error``,
+    the inputs at the defaults).
+
+    The inputs are set by a script, not as the load's outputs: Gradio's front end keeps a
+    loading status for every output of a server's event and updates them all at each event
+    after: a page of one slider and one text box answered a move in 18 ms (median), in 46 ms once
+    a load had set forty text boxes beside it (Chromium on 2 cores, measured for this change with
+    bench/ui_speed.py's floor page and those forty added)."""
     try:
         job = from_query(params or {})
     except Exception as exc:
@@ -492,13 +538,18 @@ def load_page(
         problem: BaseException | None = exc
     else:
         problem = None
-    inputs = values_of(job)
-    slider = gr.update(maximum=seq_len_maximum(job), value=job.seq_len)
-    inputs[input_names().index("seq_len")] = slider
+    kept = values_of(job)  # the tab's state: what the sliders' moves answer
+    named = dict(zip(input_names(), kept, strict=True))
+    shown = [named[name] for name in SHOWN]
+    shown[SHOWN.index("seq_len")] = {
+        "__type__": "update",
+        "maximum": seq_len_maximum(job),
+        "value": job.seq_len,
+    }
+    head = [json.dumps(shown), kept, job.config_json]
     if problem is not None:
-        return [*inputs, *_failed(problem, len(ESTIMATE_OUTPUTS))]
-    outputs = answer_estimate(*values_of(job), request=request, progress=progress)
-    return [*inputs, *outputs]
+        return [*head, *_failed(problem, len(ESTIMATE_OUTPUTS))]
+    return [*head, *answer_estimate(*kept, request=request, progress=progress)]
 
 
 def _gradio_load_page(
@@ -523,6 +574,19 @@ def model_changed(model: str | None, seq_len: Any) -> Any:
     if isinstance(seq_len, int | float) and seq_len > maximum:
         return gr.update(maximum=maximum, value=maximum)
     return gr.update(maximum=maximum)
+
+
+def model_picked(*values: Any) -> list[Any]:
+    """A newly picked model: the sequence-length slider (:func:`model_changed`) and the tab's
+    kept inputs with the length the slider shows (kept in the same answer: the slider's move
+    that a shorter range sets off answers the new model)."""
+    names = input_names()
+    seq_at = names.index("seq_len")
+    slider = model_changed(values[names.index("model")], values[seq_at])
+    kept = keep_inputs(*values)
+    if "value" in slider:
+        kept[seq_at] = slider["value"]
+    return [slider, kept]
 
 
 PLAN_OUTPUTS = ("error", "plan-out", "plan-commands", "plan-trainer", "plan-json")
@@ -658,7 +722,9 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
                 )
                 seq_len = gr.Slider(
                     minimum=1,
-                    maximum=seq_len_maximum(default),
+                    # the server's bound for every model (it checks each value sent); the page
+                    # load narrows the browser's range to the model's positions (load_page)
+                    maximum=SEQ_LEN_MAX,
                     step=1,
                     value=default.seq_len,
                     label="sequence length (tokens)",
@@ -688,22 +754,8 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
                 verdict = gr.Markdown(elem_id="verdict")
                 breakdown = gr.HTML(elem_id="breakdown")
                 with gr.Row():
-                    seq_curve = gr.LinePlot(
-                        x="seq_len",
-                        y="GiB",
-                        color="series",
-                        x_title="sequence length (tokens)",
-                        y_title="GiB",
-                        elem_id="seq-curve",
-                    )
-                    batch_curve = gr.LinePlot(
-                        x="batch_size",
-                        y="GiB",
-                        color="series",
-                        x_title="batch size",
-                        y_title="GiB",
-                        elem_id="batch-curve",
-                    )
+                    seq_curve = gr.HTML(elem_id="seq-curve")
+                    batch_curve = gr.HTML(elem_id="batch-curve")
                 curve_note = gr.Markdown(elem_id="curve-note")
                 cli_command = gr.Textbox(
                     label="the same answer in a terminal",
@@ -718,6 +770,7 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
                     elem_id="link",
                 )
                 query = gr.Textbox(visible=False, elem_id="query")
+                shown = gr.Textbox(visible=False, elem_id="shown")  # load_page's inputs
                 with gr.Group():
                     gr.Markdown("### A plan that fits the card")
                     effective = gr.Number(
@@ -746,6 +799,8 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
                         language="json", label="memfit plan --json", elem_id="plan-json"
                     )
         config_json = gr.State(None)
+        # the inputs as the user last set them: what a slider's move answers (moved_values)
+        kept = gr.State(None)
 
         named: dict[str, Any] = {
             "model": model,
@@ -762,12 +817,18 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
             "config_json": config_json,
         }
         inputs = [named[name] for name in input_names()]
+        sliders = [batch_size, seq_len, kept]
         estimate_outputs = [error, headline, total, verdict, breakdown, cli_command, query]
         curve_outputs = [seq_curve, batch_curve, curve_note]
         estimator: dict[str, Any] = {"concurrency_limit": 1, "concurrency_id": ESTIMATOR}
         # the progress (a trace's messages) over the figures, never over the error line, whose
         # text is the one thing a reader (or the browser test) waits for there
         figures: dict[str, Any] = {"show_progress_on": [verdict, breakdown]}
+        unqueued: dict[str, Any] = {"queue": False, "show_progress": "hidden"}
+        # every step of a chain answers its last trigger: a step still running when its chain
+        # runs again (a trace, a long curve) would otherwise skip the newer run (Gradio's
+        # default for a step, "once"), and the page would keep answering the older job
+        last: dict[str, Any] = {"trigger_mode": "always_last"}
 
         def then_curves(event: Any) -> None:
             """After an answer: its curves (a second step: the verdict is on the page first),
@@ -777,56 +838,65 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
                 inputs=inputs,
                 outputs=curve_outputs,
                 show_progress="hidden",
+                **last,
                 **estimator,
-            ).then(None, inputs=[query], outputs=[link], js=_LINK_JS, queue=False)
+            ).then(None, inputs=[query], outputs=[link], js=_LINK_JS, queue=False, **last)
 
-        def answer(trigger: Any, *, show_progress: str = "full") -> None:
+        def answered(event: Any, **progress: Any) -> None:
+            """``event`` (which kept the inputs), then the estimate and its curves."""
             then_curves(
-                trigger(
+                event.then(
                     _gradio_answer_estimate,
                     inputs=inputs,
                     outputs=estimate_outputs,
-                    trigger_mode="always_last",
-                    show_progress=show_progress,
+                    **{"show_progress": "full", **figures, **progress},
+                    **last,
                     **estimator,
-                    **figures,
                 )
             )
 
+        def answer(trigger: Any) -> None:
+            answered(
+                trigger(
+                    keep_inputs,
+                    inputs=inputs,
+                    outputs=[kept],
+                    **last,
+                    **unqueued,
+                )
+            )
+
+        loaded = demo.load(
+            _gradio_load_page,
+            inputs=None,
+            outputs=[shown, kept, config_json, *estimate_outputs],
+            **estimator,
+            **figures,
+        )
+        # the curves after the inputs are set (they read them)
         then_curves(
-            demo.load(
-                _gradio_load_page,
-                inputs=None,
-                outputs=[*inputs, *estimate_outputs],
-                **estimator,
-                **figures,
+            loaded.then(
+                None,
+                inputs=[shown],
+                outputs=[named[name] for name in SHOWN],
+                js=_SHOW_INPUTS_JS,
+                **last,
             )
         )
-        # the sliders answer from the fit: no overlay over the figures as they move
-        # a slider's move: from the traces already made, skipping the queue (milliseconds); then
-        # the queued step, which answers a shape not traced yet with its progress shown (and
-        # skips at once a move answered already)
+        # a slider's move: from the traces already made, skipping the queue (milliseconds),
+        # the verdict first, then the curves (which never trace); then the queued step, which
+        # answers a shape not traced yet with its progress shown beside the headline (and skips
+        # at once a move answered already: most moves), and the curves again (from the totals
+        # kept: sent only where they changed, after a trace)
         for slider in (batch_size, seq_len):
             moved = slider.change(
                 _gradio_answer_moved,
-                inputs=inputs,
+                inputs=sliders,
                 outputs=estimate_outputs,
-                trigger_mode="always_last",
-                show_progress="hidden",
-                queue=False,
-            )
-            then_curves(
-                moved.then(
-                    _gradio_answer_estimate,
-                    inputs=inputs,
-                    outputs=estimate_outputs,
-                    # its progress beside the headline only: the figures stay as they are while
-                    # it skips a move answered already (most moves), or traces a new kind
-                    show_progress="minimal",
-                    show_progress_on=[headline],
-                    **estimator,
-                )
-            )
+                **last,
+                **unqueued,
+            ).then(_gradio_curves_moved, inputs=sliders, outputs=curve_outputs, **last, **unqueued)
+            answered(moved, show_progress="minimal", show_progress_on=[headline])
         # the user's own changes (not the page's: the load sets every input)
         for picked in (task, gpu, mode, allow, *knobs.values()):
             if isinstance(picked, gr.Textbox | gr.Number):
@@ -837,26 +907,19 @@ def build_app(*, local_paths: bool = True, server: bool = False) -> gr.Blocks:
         for typed in (gpu_memory, safety_margin, effective):
             answer(typed.submit)
             answer(typed.blur)
-        then_curves(
+        answered(
             model.input(
-                model_changed, inputs=[model, seq_len], outputs=[seq_len], queue=False
-            ).then(
-                _gradio_answer_estimate,
+                model_picked,
                 inputs=inputs,
-                outputs=estimate_outputs,
-                trigger_mode="always_last",
-                **estimator,
-                **figures,
+                outputs=[seq_len, kept],
+                **last,
+                **unqueued,
             )
         )
         for event in (upload.upload, upload.clear):
-            then_curves(
+            answered(
                 event(read_upload, inputs=[upload], outputs=[config_json, model], queue=False).then(
-                    _gradio_answer_estimate,
-                    inputs=inputs,
-                    outputs=estimate_outputs,
-                    **estimator,
-                    **figures,
+                    keep_inputs, inputs=inputs, outputs=[kept], **last, **unqueued
                 )
             )
         plan_button.click(

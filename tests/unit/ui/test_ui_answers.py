@@ -113,6 +113,7 @@ def test_a_plan_that_nothing_fits_answers_with_the_clis_lines(
 
 
 def test_the_curves_are_exact_estimates_and_never_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fresh_traces(monkeypatch)  # below: a kind of shape not traced is left out
     job = dataclasses.replace(BERT, gpu_memory="6GiB")
     answers.estimate_answer(job)
 
@@ -149,7 +150,18 @@ def _largest_fitting(job: PageJob, budget: int) -> int:
     return fitting
 
 
+def _fresh_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No trace of this process or of the session's disk cache: another test may have traced the
+    kinds of shape (or the knobs) a test needs untraced."""
+    monkeypatch.setenv("MEMFIT_NO_CACHE", "1")
+    monkeypatch.setattr(traces, "_CACHE", {})
+    # ... nor a total the page kept from them
+    monkeypatch.setattr(answers, "_TOTALS", OrderedDict())
+    monkeypatch.setattr(answers, "_BUDGETS", OrderedDict())
+
+
 def test_curves_of_knobs_not_traced_are_empty_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fresh_traces(monkeypatch)
     job = dataclasses.replace(BERT, knobs={"lora_rank": 4, "lora_dropout": 0.25})
     assert not answers.is_traced(job)
 
