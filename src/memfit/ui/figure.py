@@ -47,9 +47,18 @@ def tick_label(value: float, step: float) -> str:
 
 
 def curve_svg(curve: Curve, title: str) -> str:
-    """``curve`` as an SVG (an empty string where it has no point: nothing estimated yet)."""
+    """``curve`` as an SVG (where it has no point yet, its title and that)."""
     if not curve.points:
-        return ""
+        # its kind of shape not traced yet (the note says which): the title and that, in the
+        # figure's place
+        return _svg(
+            curve,
+            title,
+            f'<text x="{WIDTH / 2:.0f}" y="18" text-anchor="middle" font-weight="600">'
+            f"{html.escape(title)}</text>"
+            f'<text class="memfit-empty" x="{WIDTH / 2:.0f}" y="{HEIGHT / 2:.0f}" '
+            f'text-anchor="middle" fill="#888">no point of this curve is traced yet</text>',
+        )
     xs = [x for x, _ in curve.points]
     lowest, highest = min(xs), max(xs)
     if highest == lowest:
@@ -121,10 +130,14 @@ def curve_svg(curve: Curve, title: str) -> str:
             f'r="3.5" fill="{_ESTIMATE}" data-x="{x}" data-bytes="{total}">'
             f"<title>{x:,} {unit}: {format_bytes(total)}</title></circle>"
         )
+    return _svg(curve, title, "".join(parts))
+
+
+def _svg(curve: Curve, title: str, body: str) -> str:
     return (
         f'<svg class="memfit-curve" data-axis="{curve.axis}" viewBox="0 0 {WIDTH} {HEIGHT}" '
         f'width="100%" font-size="11" font-family="sans-serif" role="img" '
-        f'aria-label="{html.escape(title)}">{"".join(parts)}</svg>'
+        f'aria-label="{html.escape(title)}">{body}</svg>'
     )
 
 

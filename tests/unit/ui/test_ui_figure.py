@@ -66,7 +66,10 @@ def test_a_curve_without_a_card_or_a_crossing_draws_neither() -> None:
     assert all(0 < _y(p) < HEIGHT for p in svg.findall("circle"))
     one = ElementTree.fromstring(curve_svg(_curve(points=[(128, GIB)], crossing=None), "t"))
     assert len(one.findall("circle")) == 1
-    assert curve_svg(_curve(points=[]), "t") == ""
+    # no point yet (its kind of shape not traced): the figure says so, and draws nothing else
+    empty = ElementTree.fromstring(curve_svg(_curve(points=[]), "t"))
+    assert empty.get("class") == "memfit-curve" and not empty.findall("circle")
+    assert not empty.findall("line") and empty.findtext("text[@class='memfit-empty']")
 
 
 @pytest.mark.parametrize("high", [0.3, 1.0, 7.2, 14.56, 80.0, 1234.0])
