@@ -1097,6 +1097,13 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
     timings["cuda_init_s"] = time.perf_counter() - t
     if request.get("memory_fraction") is not None and device == "cuda":
         torch.cuda.set_per_process_memory_fraction(float(request["memory_fraction"]))
+    history = request.get("memory_history") if device == "cuda" else None
+    if history:
+        # every allocation, free and segment of the run, without stacks (small, and no overhead
+        # from stack capture in the measured step)
+        torch.cuda.memory._record_memory_history(
+            max_entries=2_000_000, context=None, stacks="python"
+        )
     timings["init_s"] = time.perf_counter() - started
     phase = "build"
     try:
@@ -1165,6 +1172,12 @@ def _child_run(request: dict[str, Any]) -> dict[str, Any]:
         timings["step_s"] = time.perf_counter() - t
         # the segments the measured step left reserved (none are returned: they are its peak's)
         segments = cuda_segments() if device == "cuda" else None
+        if history:
+            import pickle
+
+            with open(history, "wb") as handle:
+                pickle.dump(torch.cuda.memory._snapshot(), handle)
+            torch.cuda.memory._record_memory_history(enabled=None)
         stats = probe.final()
         stats["segments"] = segments
         stats["warmup_allocated_peak_bytes"] = warm["allocated_peak_bytes"]
@@ -1858,14 +1871,22 @@ def run_cases(
     device_total: int | None,
     deadline: Deadline | None = None,
     prefetch: int = 0,
+    memory_history: Path | None = None,
 ) -> None:
     """Estimate and measure every case, printing a table row and rewriting the JSON after each.
-    ``prefetch``: children started that many cases ahead (see :class:`ChildPool`)."""
+    ``prefetch``: children started that many cases ahead (see :class:`ChildPool`).
+    ``memory_history``: a folder where each child leaves the caching allocator's history of its
+    whole run (``torch.cuda.memory._snapshot()``, pickled; CUDA only), to set beside the replay's."""
     deadline = deadline or Deadline()
     print(TABLE_HEADER, flush=True)
     requests = [
         {"kind": "step", **case.knobs(), "device": device, "warmup": WARMUP_STEPS} for case in cases
     ]
+    if memory_history is not None:
+        memory_history.mkdir(parents=True, exist_ok=True)
+        for index, request in enumerate(requests):
+            name = cases[index].id.replace("/", "_")
+            request["memory_history"] = str(memory_history / f"{name}.pickle")
     pool = ChildPool(requests, prefetch)
     with contextlib.ExitStack() as stack:
         stack.callback(pool.close)
@@ -2946,6 +2967,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     parser.add_argument(
+        "--memory-history",
+        default=None,
+        metavar="DIR",
+        help="leave each case's CUDA caching-allocator history in DIR (one pickle per case, "
+        "torch.cuda.memory._snapshot) to compare event by event with memfit's replay",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="CPU-only self-test of every code path (CI)"
     )
     parser.add_argument(
@@ -3020,6 +3048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device_total=device_total,
         deadline=deadline,
         prefetch=args.prefetch,
+        memory_history=Path(args.memory_history) if args.memory_history else None,
     )
     if args.new_knobs:
         # the failures of a case are in its row (a library's reason said so): the run itself worked

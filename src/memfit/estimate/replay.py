@@ -32,6 +32,7 @@ from memfit.estimate.step_trace import (
     FREE_PREV,
     HOST_OP,
     MARK,
+    PHASE,
     PHASES,
     Segment,
     StepTrace,
@@ -111,6 +112,51 @@ def first_forward_backward(
     if first is fb or (first.events == fb.events and first.categories == fb.categories):
         return fb, fb_sizes
     return first, list(first.sizes)
+
+
+# --- cuBLAS workspaces ----------------------------------------------------------------------------
+# A replay-only event, ``(WORKSPACE, bytes)``: a cuBLAS workspace allocated at that point of the
+# first step, kept for the process and counted as the runtime's (not in the step's categories)
+WORKSPACE = 100
+# the ops whose CUDA kernels are cuBLAS matmuls (their base names, as a segment's ``ops`` has them);
+# those in ``_CUBLASLT_OPS`` run through cuBLASLt (a linear with a bias: gemm and bias)
+_CUBLAS_OPS = frozenset(
+    ("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "_addmm_activation", "addr")
+)
+_CUBLASLT_OPS = frozenset(("addmm", "_addmm_activation"))
+
+
+def with_workspaces(
+    seg: Segment, cublas: int, cublaslt: int, backward_thread: bool
+) -> list[tuple[int, int]]:
+    """``seg``'s events with each cuBLAS workspace allocated where the GPU allocates it.
+
+    cuBLAS handles are per thread, and each handle's workspace (``cublas``) is allocated from the
+    caching allocator by its thread's first matmul, right after the matmul's output; the
+    cuBLASLt workspace (``cublaslt``) by its first gemm-and-bias. The forward runs on the caller's
+    thread; a training step's backward (recomputed forwards included) on the autograd engine's
+    device thread, whose first matmul comes once the loss's gradient is computed, when the
+    logits' blocks are free. A workspace allocated there splits a freed logits-sized block, which
+    a later step then cannot reuse: one H200 run's allocator history
+    (bench/results/gpu_truth_20261128_H200/allocator_history) showed this, and the reserved peak
+    one logits' block higher than a replay with the workspaces allocated up front.
+    """
+    events: list[tuple[int, int]] = []
+    made: set[tuple[bool, int]] = set()
+    backward = PHASE["backward"]
+    in_backward = False
+    for kind, ref in seg.events:
+        events.append((kind, ref))
+        if kind == MARK:
+            in_backward = backward_thread and ref == backward
+        elif kind == ALLOC:
+            base = seg.ops[ref].split(".", 1)[0]
+            if base in _CUBLAS_OPS:
+                for size, ops in ((cublas, _CUBLAS_OPS), (cublaslt, _CUBLASLT_OPS)):
+                    if size and base in ops and (in_backward, size) not in made:
+                        made.add((in_backward, size))
+                        events.append((WORKSPACE, size))
+    return events
 
 
 def _host_allocs(seg: Segment) -> frozenset[int]:
@@ -282,6 +328,9 @@ class StepWalk:
         self.host = 0
         self.host_peak = 0
         self.pinned = isinstance(memory, CudaMemory)
+        # the events the next forward+backward walks instead of its segment's (the first step's,
+        # with its cuBLAS workspaces: :func:`with_workspaces`)
+        self.first_events: list[tuple[int, int]] | None = None
 
     def place(self, ids: Iterable[int]) -> None:
         """Allocate the resident tensors ``ids`` (global ids), piece by piece."""
@@ -341,7 +390,8 @@ class StepWalk:
         self.fb_after = list(fb_sizes)
         for j, _, after in self.conversions:
             self.fb_after[j] = after
-        fb_handles = self.run(fb, fb_sizes, globals_=fb_globals)
+        fb_handles = self.run(fb, fb_sizes, globals_=fb_globals, events=self.first_events)
+        self.first_events = None
         if opt is None:
             return
         assert opt_sizes is not None
@@ -361,14 +411,17 @@ class StepWalk:
         prev: list[int] | None = None,
         globals_: list[int] | None = None,
         transient_grads: bool = False,
+        events: list[tuple[int, int]] | None = None,
     ) -> list[int]:
         """Walk one segment; the handles of its allocations. ``prev``: those of ``fb``.
 
         ``transient_grads``: a later micro-batch of an accumulated step, whose gradients are
-        computed and added in place into the first micro-batch's (alive all along).
+        computed and added in place into the first micro-batch's (alive all along). ``events``:
+        the segment's events with others added (:func:`with_workspaces`).
         """
         memory = self.memory
-        events = _transient_events(seg) if transient_grads else seg.events
+        if events is None:
+            events = _transient_events(seg) if transient_grads else seg.events
         if isinstance(memory, CudaMemory):
             return self._run_cuda(memory.allocator, seg, events, seg_sizes, prev, globals_)
         malloc, free, track, raw = memory.malloc, memory.free, self.track, self.raw
@@ -506,6 +559,8 @@ class StepWalk:
         raw = self.raw
         if kind in (MARK, BLOCK):
             self._mark(kind, ref)
+        elif kind == WORKSPACE:
+            self.memory.malloc(ref)
         elif kind == FREE_PREV:
             assert prev is not None
             if ref in _host_allocs(self.walked):
@@ -609,19 +664,18 @@ def _replay_cuda(
     walk = StepWalk(trace, fb, fb_sizes, sharded, memory, measure_buffer_frees=False)
     # the model is moved to the GPU parameter by parameter
     walk.place(trace.initial)
-    # the first matmul creates the cuBLAS (and cuBLASLt) workspace; it stays for the process.
-    # Handles are per thread: backward runs on the autograd engine's device thread, whose first
-    # matmul creates a second workspace
-    threads = 2 if spec.mode == "train" else 1
-    workspace = threads * (profile.cublas_workspace_bytes + profile.cublaslt_workspace_bytes)
-    for _ in range(threads):
-        allocator.malloc(profile.cublas_workspace_bytes)
-        if profile.cublaslt_workspace_bytes:
-            allocator.malloc(profile.cublaslt_workspace_bytes)
     walk.start_peak(-1)
     walk.tracking = False
-    # the first step runs the first traced step's forward and backward (lazily built state)
+    # the first step runs the first traced step's forward and backward (lazily built state),
+    # each thread's first matmuls allocating its cuBLAS workspaces (they stay for the process)
     first = first_forward_backward(trace, fb, fb_sizes)
+    walk.first_events = with_workspaces(
+        first[0],
+        profile.cublas_workspace_bytes,
+        profile.cublaslt_workspace_bytes,
+        backward_thread=spec.mode == "train",
+    )
+    workspace = sum(ref for kind, ref in walk.first_events if kind == WORKSPACE)
     if spec.mode == "train":
         first_opt, steady_opt = optimizer_segments
         assert first_opt is not None and steady_opt is not None
