@@ -39,7 +39,8 @@ manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 ...``)::
     PYTHONPATH=/tmp/site python3 bench/gpu_truth.py --out $OUT --commit SHA
 
 The first run (one H200, 2026-11-27) took 7.8 minutes and is in
-``bench/results/gpu_truth_20261127_H200/``; the parts' shares below come from its timings.
+``bench/results/gpu_truth_20261127_H200/``; the parts' shares below come from its timings. The
+second (one H200, 2026-11-28) ran all four parts in 437 s: ``bench/results/gpu_truth_20261128_H200/``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ Usage::
         # 16 cases of the levers since the last GPU run: QLoRA nf4/int8, 8-bit and paged
         # optimizers, 16-bit bases and pure bf16, fused-linear cross-entropy (Liger on CUDA),
         # activation offloading (TRL) and optimizer offload (torchao), round-robin by kind
+    python bench/gpu_validate.py --new-knobs --only 9,10 --memory-history DIR/history --out DIR
+        # each case's CUDA caching-allocator history (torch.cuda.memory._snapshot, one pickle per
+        # case) beside its row: memfit.estimate.device.CachingAllocator fed that history's
+        # allocations and frees says whether a gap is the allocator model's or the step's
     python bench/gpu_validate.py --plans-only --out DIR --time-budget 60
         # no estimator cases: three plans (bert-base, gpt2, LoRA on SmolLM2-135M), made at once
         # in three processes, each run for real under set_per_process_memory_fraction(budget);

@@ -181,6 +181,20 @@ class CachingAllocator:
         free_end[address + block] = address
         bisect.insort(pool, block << shift | address)
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: every segment with no block in use is returned."""
+        kept = []
+        for start, size in self._segments:
+            if self._size.get(start) != -size:
+                kept.append((start, size))
+                continue
+            pool = self._small if size == K_SMALL_BUFFER else self._large
+            del pool[bisect.bisect_left(pool, size << self._shift | start)]
+            del self._size[start]
+            del self._free_end[start + size]
+            self.reserved -= size
+        self._segments = kept
+
     def _widen(self) -> None:
         """Make room for addresses past the keys' address field: re-key both pools."""
         old, mask = self._shift, self._mask

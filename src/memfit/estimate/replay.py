@@ -38,6 +38,8 @@ from memfit.estimate.step_trace import (
     StepTrace,
 )
 from memfit.estimate.workload import StepSpec
+from memfit.levers.optimizer import OPTIMIZER_TABLE
+from memfit.step import offload
 
 __all__ = ["CpuPages", "CudaMemory", "Memory", "Peak", "StepWalk", "replay_step"]
 
@@ -157,6 +159,11 @@ def with_workspaces(
                         made.add((in_backward, size))
                         events.append((WORKSPACE, size))
     return events
+
+
+def uses_bitsandbytes(spec: StepSpec) -> bool:
+    """Whether the step runs bitsandbytes' layers or optimizers (so the run imports it)."""
+    return spec.quantization != "none" or OPTIMIZER_TABLE[spec.optimizer].needs == "bitsandbytes"
 
 
 def _host_allocs(seg: Segment) -> frozenset[int]:
@@ -331,6 +338,9 @@ class StepWalk:
         # the events the next forward+backward walks instead of its segment's (the first step's,
         # with its cuBLAS workspaces: :func:`with_workspaces`)
         self.first_events: list[tuple[int, int]] | None = None
+        # the caching allocator emptied as each micro-batch starts, where the run empties it
+        # (TRL's activation offloading: memfit.step.offload.empties_cuda_cache); None: never
+        self.emptied: dev.CachingAllocator | None = None
 
     def place(self, ids: Iterable[int]) -> None:
         """Allocate the resident tensors ``ids`` (global ids), piece by piece."""
@@ -385,6 +395,7 @@ class StepWalk:
             start = len(self.trace.initial)
             fb_globals = list(range(start, start + len(raw_sizes)))
         fb_sizes = self.sharded.sizes(fb, raw_sizes)
+        self.empty_cache()
         self.walked = fb
         self.conversions, self.conversion_buffer = self.sharded.conversions(fb)
         self.fb_after = list(fb_sizes)
@@ -399,10 +410,16 @@ class StepWalk:
         if accumulate:
             # a later micro-batch runs the steady forward and backward
             steady = fb_sizes if fb is self.fb else self.sharded.sizes(self.fb, self.fb_sizes)
+            self.empty_cache()
             self.run(self.fb, steady, transient_grads=True)
             # the later micro-batch's root gradients are reduce-scattered as well (added
             # into the shards in place): the transient run already freed them
         self.run(opt, opt_sizes, fb_handles, globals_)
+
+    def empty_cache(self) -> None:
+        """A micro-batch starts: the cache emptied where the run empties it (``emptied``)."""
+        if self.emptied is not None:
+            self.emptied.empty_cache()
 
     def run(
         self,
@@ -676,6 +693,12 @@ def _replay_cuda(
         backward_thread=spec.mode == "train",
     )
     workspace = sum(ref for kind, ref in walk.first_events if kind == WORKSPACE)
+    if (
+        spec.activation_offloading
+        and spec.mode == "train"
+        and offload.empties_cuda_cache(uses_bitsandbytes(spec))
+    ):
+        walk.emptied = allocator
     if spec.mode == "train":
         first_opt, steady_opt = optimizer_segments
         assert first_opt is not None and steady_opt is not None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from memfit.estimate import device as dev
-from memfit.estimate.replay import CudaMemory, StepWalk, _Sharded
+from memfit.estimate.replay import CudaMemory, StepWalk, _Sharded, with_workspaces
 from memfit.estimate.step_trace import (
     ALLOC,
     CAT,
@@ -172,7 +172,10 @@ def _segment(rng: random.Random, n: int, kept_grads: bool) -> tuple[Segment, lis
     the optimizer step when ``kept_grads``. Also the ids of the gradients kept."""
     sizes = [0 if rng.random() < 0.03 else _size(rng) for _ in range(n)]
     cats = [rng.choice([CAT["activations"], CAT["transient"], CAT["gradients"]]) for _ in sizes]
-    ops = [HOST_OP if rng.random() < 0.04 else "empty" for _ in sizes]
+    ops = [
+        rng.choice([HOST_OP, "mm.default", "addmm.default"]) if rng.random() < 0.1 else "empty"
+        for _ in sizes
+    ]
     events: list[tuple[int, int]] = [(MARK, PHASE["forward"])]
     alive: list[int] = []
     kept: list[int] = []
@@ -201,10 +204,16 @@ def _segment(rng: random.Random, n: int, kept_grads: bool) -> tuple[Segment, lis
     return segment, kept
 
 
-def _walk(memory: object, trace: StepTrace, accumulate: bool) -> tuple[object, ...]:
+def _walk(
+    memory: object, trace: StepTrace, accumulate: bool, emptied: bool = False
+) -> tuple[object, ...]:
     fb = trace.steps[1][1]
     walk = StepWalk(trace, fb, list(fb.sizes), _Sharded(None), memory, measure_buffer_frees=False)  # type: ignore[arg-type]
     walk.pinned = True  # host copies are pinned blocks for both (a CUDA target's)
+    allocator = memory.inner.allocator if isinstance(memory, _Generic) else memory.allocator  # type: ignore[attr-defined]
+    # the first step's cuBLAS workspaces (replay-only events), a cache emptied per micro-batch
+    walk.first_events = with_workspaces(fb, 32 * MiB, 1 * MiB, backward_thread=True)
+    walk.emptied = allocator if emptied else None
     walk.place(trace.initial)
     walk.tracking = False
     first, steady = trace.steps[0][2], trace.steps[1][2]
@@ -212,7 +221,6 @@ def _walk(memory: object, trace: StepTrace, accumulate: bool) -> tuple[object, .
     walk.step(first, list(first.sizes), trace.first_optimizer_globals, accumulate)
     walk.tracking = True
     walk.step(steady, list(steady.sizes), None, accumulate)
-    allocator = memory.inner.allocator if isinstance(memory, _Generic) else memory.allocator  # type: ignore[attr-defined]
     counts = (allocator.allocated, allocator.max_allocated, allocator.max_reserved)
     return walk.best, walk.best_raw, walk.best_phase, walk.phases, walk.host_peak, counts
 
@@ -221,6 +229,7 @@ def _walk(memory: object, trace: StepTrace, accumulate: bool) -> tuple[object, .
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_the_inlined_cuda_walk_answers_as_the_generic_walk(seed: int, accumulate: bool) -> None:
     rng = random.Random(seed)
+    emptied = seed % 2 == 1
     fb, kept = _segment(rng, 400, kept_grads=True)
     residents = [_size(rng) for _ in range(30)]
     states = [_size(rng) for _ in range(8)]
@@ -245,8 +254,8 @@ def test_the_inlined_cuda_walk_answers_as_the_generic_walk(seed: int, accumulate
         initial=list(range(len(residents))),
         first_optimizer_globals=globals_,
     )
-    fast = _walk(CudaMemory(), trace, accumulate)
-    assert fast == _walk(_Generic(), trace, accumulate)
+    fast = _walk(CudaMemory(), trace, accumulate, emptied)
+    assert fast == _walk(_Generic(), trace, accumulate, emptied)
     best, best_raw, _, phases, _, _ = fast
     assert (
         best > 0 and sum(best_raw) > 0 and set(phases) == {"forward", "backward", "optimizer_step"}
