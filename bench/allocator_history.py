@@ -58,7 +58,8 @@ def replay(trace: list[dict[str, Any]], per_stream: bool) -> dict[str, int]:
             stream = event["stream"] if per_stream else 0
             pool = pools.setdefault(stream, CachingAllocator())
             handles[event["addr"]] = (stream, pool.malloc(event["size"]))
-        elif action == "free_completed":
+        elif action == "free_completed" and event["addr"] in handles:
+            # (a block allocated before the recording began is not the replay's to free)
             stream, handle = handles.pop(event["addr"])
             pools[stream].free(handle)
         elif action == "segment_alloc":

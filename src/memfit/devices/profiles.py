@@ -26,10 +26,12 @@ class CudaProfile:
     after a bf16 SDPA training step, 691 after a bf16 SDPA eval step; eager attention loads none).
     ``cublas_workspace_bytes``: one per handle and stream, through the caching allocator; handles
     are per thread, so a training step holds two: the main thread's and the autograd engine's
-    device thread's (backward matmuls), which the H100 measurements bear out (+33 MiB allocated);
+    device thread's (backward matmuls). Each is allocated by its thread's first matmul (the H200
+    allocator histories in ``bench/results/gpu_truth_20261128_H200/allocator_history``);
     32 MiB on sm90 (H100/H200), else 4096 KiB·2 + 16 KiB·8 (aten/src/ATen/cuda/CublasHandlePool.cpp).
     ``cublaslt_workspace_bytes``: cuBLASLt's own 1 MiB workspace, persistent from torch 2.9 and
-    shared with cuBLAS' from torch 2.12.
+    shared with cuBLAS' from torch 2.12; a thread makes it at its first gemm-and-bias (a linear
+    with a bias), so a backward that recomputes no forward has none.
     ``nccl_bytes``: with several ranks, NCCL's communicator buffers, outside the caching
     allocator. An assumption from NCCL's defaults, not a measurement: a ring over 16 channels,
     each with send and receive buffers for its two peers of the Simple (NCCL_BUFFSIZE 4 MiB),

@@ -39,7 +39,9 @@ TRL's rules (``trl/models/activation_offloading.py``, trl 1.16, read for these f
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -97,19 +99,25 @@ def missing(device_type: str) -> str | None:
     return None
 
 
-def empties_cuda_cache(uses_bitsandbytes: bool) -> bool:
+def empties_cuda_cache(imports_bitsandbytes: bool) -> bool:
     """Whether TRL's context empties CUDA's caching allocator each time a micro-batch enters it.
 
-    TRL 1.16's ``__enter__`` calls ``empty_cache()`` when bitsandbytes has been imported (to let
-    go of bitsandbytes' dequantization buffers), and then each step's blocks are reserved afresh:
-    an H200 run's allocator history showed the cached segments returned at every step, and its
-    reserved peak 10 % under a replay that keeps them. A run imports bitsandbytes when it uses it
-    (``uses_bitsandbytes``: QLoRA, its 8-bit or paged optimizers) or imports peft with
-    bitsandbytes installed (peft's LoRA layers import it); the estimate takes what is installed
-    where it runs for what the run will have."""
-    if importlib.util.find_spec("bitsandbytes") is None:
+    TRL's ``__enter__`` (from trl 1.5, PR #5730) calls ``empty_cache()`` when bitsandbytes has been
+    imported, to let go of bitsandbytes' dequantization buffers; then each step's blocks are
+    reserved afresh. An H200 run's allocator history showed the cached segments returned at every
+    step, and its reserved peak 10 % under a replay that keeps them. ``imports_bitsandbytes``: the
+    run imports it where it is installed (it uses QLoRA or bitsandbytes' optimizers, or LoRA: peft
+    imports it). The estimate takes what is installed where it runs for what the run will have;
+    a TRL older than 1.5 installed here does not empty, and without TRL here its current rules hold.
+    """
+    if not imports_bitsandbytes or importlib.util.find_spec("bitsandbytes") is None:
         return False
-    return uses_bitsandbytes or importlib.util.find_spec("peft") is not None
+    try:
+        version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    major, minor = (int(part) for part in re.findall(r"\d+", version)[:2])
+    return (major, minor) >= (1, 5)
 
 
 class OffloadUnavailable(RuntimeError):

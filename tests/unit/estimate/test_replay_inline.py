@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 
 from memfit.estimate import device as dev
-from memfit.estimate.replay import CudaMemory, StepWalk, _Sharded, with_workspaces
+from memfit.estimate.replay import CudaMemory, StepWalk, _Sharded
 from memfit.estimate.step_trace import (
     ALLOC,
     CAT,
@@ -205,14 +205,18 @@ def _segment(rng: random.Random, n: int, kept_grads: bool) -> tuple[Segment, lis
 
 
 def _walk(
-    memory: object, trace: StepTrace, accumulate: bool, emptied: bool = False
+    memory: object,
+    trace: StepTrace,
+    accumulate: bool,
+    emptied: bool = False,
+    workspaces: bool = True,
 ) -> tuple[object, ...]:
     fb = trace.steps[1][1]
     walk = StepWalk(trace, fb, list(fb.sizes), _Sharded(None), memory, measure_buffer_frees=False)  # type: ignore[arg-type]
     walk.pinned = True  # host copies are pinned blocks for both (a CUDA target's)
     allocator = memory.inner.allocator if isinstance(memory, _Generic) else memory.allocator  # type: ignore[attr-defined]
     # the first step's cuBLAS workspaces (replay-only events), a cache emptied per micro-batch
-    walk.first_events = with_workspaces(fb, 32 * MiB, 1 * MiB, backward_thread=True)
+    walk.workspaces = (32 * MiB, 1 * MiB, True) if workspaces else None
     walk.emptied = allocator if emptied else None
     walk.place(trace.initial)
     walk.tracking = False
@@ -222,7 +226,8 @@ def _walk(
     walk.tracking = True
     walk.step(steady, list(steady.sizes), None, accumulate)
     counts = (allocator.allocated, allocator.max_allocated, allocator.max_reserved)
-    return walk.best, walk.best_raw, walk.best_phase, walk.phases, walk.host_peak, counts
+    found = walk.best, walk.best_raw, walk.best_phase, walk.phases, walk.host_peak, counts
+    return *found, walk.workspace_bytes
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -256,7 +261,11 @@ def test_the_inlined_cuda_walk_answers_as_the_generic_walk(seed: int, accumulate
     )
     fast = _walk(CudaMemory(), trace, accumulate, emptied)
     assert fast == _walk(_Generic(), trace, accumulate, emptied)
-    best, best_raw, _, phases, _, _ = fast
+    best, best_raw, _, phases, _, counts, workspace = fast
+    # the workspaces are allocated (kept to the end, in neither walk's categories)
+    without = _walk(CudaMemory(), trace, accumulate, emptied, workspaces=False)
+    assert workspace > 0 and without[-1] == 0
+    assert counts[0] - without[5][0] == workspace  # type: ignore[index]
     assert (
         best > 0 and sum(best_raw) > 0 and set(phases) == {"forward", "backward", "optimizer_step"}
     )

@@ -8,6 +8,7 @@ offloading empties the cache as each micro-batch starts.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -118,18 +119,38 @@ def test_which_steps_use_bitsandbytes(knobs: dict[str, object], expected: bool) 
 def test_trl_empties_the_cache_where_bitsandbytes_is_imported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    installed = {"bitsandbytes", "peft"}
+    state: dict[str, object] = {"bitsandbytes": True, "trl": "1.16.0"}
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, *args: object) -> object:
-        if name in ("bitsandbytes", "peft"):
-            return object() if name in installed else None
+        if name == "bitsandbytes":
+            return object() if state["bitsandbytes"] else None
         return real_find_spec(name, *args)  # type: ignore[arg-type]
 
+    def version(name: str) -> str:
+        if name == "trl" and state["trl"] is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return str(state["trl"]) if name == "trl" else real_version(name)
+
+    real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    assert offload.empties_cuda_cache(uses_bitsandbytes=False)  # peft imports it
-    installed.discard("peft")
-    assert not offload.empties_cuda_cache(uses_bitsandbytes=False)
-    assert offload.empties_cuda_cache(uses_bitsandbytes=True)
-    installed.discard("bitsandbytes")
-    assert not offload.empties_cuda_cache(uses_bitsandbytes=True)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert offload.empties_cuda_cache(imports_bitsandbytes=True)
+    # a run that imports neither bitsandbytes nor peft (a full fine-tune, AdamW)
+    assert not offload.empties_cuda_cache(imports_bitsandbytes=False)
+    # a TRL from before the emptying (1.5); none here: its current rules
+    state["trl"] = "1.4.2"
+    assert not offload.empties_cuda_cache(imports_bitsandbytes=True)
+    state["trl"] = None
+    assert offload.empties_cuda_cache(imports_bitsandbytes=True)
+    state["bitsandbytes"] = False
+    assert not offload.empties_cuda_cache(imports_bitsandbytes=True)
+
+
+def test_workspaces_of_one_size_are_each_made_and_the_answer_is_kept() -> None:
+    seg = _lm_step()
+    events = with_workspaces(seg, LT, LT, backward_thread=True)
+    # cuBLAS' and cuBLASLt's workspaces of one size are still two allocations per thread
+    assert [e for e in events if e[0] == WORKSPACE] == [(WORKSPACE, LT)] * 4
+    assert with_workspaces(seg, LT, LT, backward_thread=True) is events
+    assert with_workspaces(seg, CUBLAS, LT, backward_thread=True) is not events
