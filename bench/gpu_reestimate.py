@@ -58,15 +58,21 @@ def pct(estimated: float, measured: float) -> float:
     return 100.0 * (estimated / measured - 1.0)
 
 
+def refuse(message: str) -> None:
+    """Bad input: one line on stderr, exit 2."""
+    print(f"gpu_reestimate: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def rows_of(paths: list[Path], only: list[str]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     found = []
     for path in paths:
         try:
             doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SystemExit(f"gpu_reestimate: {path}: not a results file ({exc})") from None
-        if "rows" not in doc or "header" not in doc:
-            raise SystemExit(f"gpu_reestimate: {path}: no 'rows' and 'header' (not gpu_validate's)")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            refuse(f"{path}: not a results file ({exc.__class__.__name__}: {exc})")
+        if not isinstance(doc, dict) or "rows" not in doc or "header" not in doc:
+            refuse(f"{path}: no 'rows' and 'header': not a bench/gpu_validate.py results file")
         for row in doc["rows"]:
             measured = (row.get("measured") or {}).get("total_bytes")
             if row.get("status") != "ok" or not measured:

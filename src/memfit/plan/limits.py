@@ -524,15 +524,24 @@ def _needed(
         # no cost to drop it for (the precision, the attention kernel): kept as it is
         return 3, 0
 
-    costly = [lever for lever in levers_.LEVERS if changed(lever) and cost(lever)[0] < 3]
-    for lever in sorted(costly, key=cost):
-        if not changed(lever):
-            continue
-        trial = {**current, **{f: base[f] for f in lever.fields if f in base}}
-        if not space.runs(trial, world_size, sharding):
-            continue
-        if question.at(knobs_of(Levers.of(trial)), value).over <= 0:
-            current = trial
+    costly = sorted(
+        (lever for lever in levers_.LEVERS if changed(lever) and cost(lever)[0] < 3), key=cost
+    )
+    # until a pass drops none: a later drop can make a lever kept earlier unneeded (memory is no
+    # sum of the levers' savings: checkpointing with activation offloading can cost more than
+    # offloading alone, as the allocator's blocks fall)
+    dropped = True
+    while dropped:
+        dropped = False
+        for lever in costly:
+            if not changed(lever):
+                continue
+            trial = {**current, **{f: base[f] for f in lever.fields if f in base}}
+            if not space.runs(trial, world_size, sharding):
+                continue
+            if question.at(knobs_of(Levers.of(trial)), value).over <= 0:
+                current = trial
+                dropped = True
     return Levers.of(current)
 
 
